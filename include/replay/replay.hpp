@@ -1,0 +1,21 @@
+// replay/replay.hpp: the whole toolkit in one include.
+#pragma once
+
+#include <replay/version.hpp>
+#include <replay/error.hpp>
+#include <replay/stream.hpp>
+#include <replay/event.hpp>
+#include <replay/buffer.hpp>
+#include <replay/graph.hpp>
+#include <replay/graph_exec.hpp>
+#include <replay/capture.hpp>
+#include <replay/step_meta.hpp>
+#if __has_include(<replay/bucket.hpp>)
+#include <replay/bucket.hpp>
+#endif
+#if __has_include(<replay/graph_pool.hpp>)
+#include <replay/graph_pool.hpp>
+#endif
+#if __has_include(<replay/runner.hpp>)
+#include <replay/runner.hpp>
+#endif

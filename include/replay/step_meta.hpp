@@ -1,0 +1,181 @@
+// replay/step_meta.hpp: device-resident per-step metadata (token, position, sequence length, ...).
+//
+// A graph bakes in kernel arguments, so a value that changes every step (position, token id,
+// sequence length, block table) must not be passed by value: kernels read it through a pointer to
+// a fixed device address, and the host writes the new value there before each replay.
+//
+// - `step_meta<T>`: one trivially copyable struct, e.g. `struct decode_meta { int token, pos; };`
+// - `step_meta_array<T>`: `size()` elements for a batch (token ids, positions, sequence lengths,
+//   flattened block-table rows).
+//
+// Two ways to get the staged values to the device:
+// 1. `push(stream)` before `graph_exec::launch(stream)`: an async host-to-device copy on the stream.
+//    Staging is double-buffered: after push() the next staging() call returns the other slot, and
+//    if that slot's copy from two pushes ago is still in flight, staging() waits for it (an event
+//    guard). Writing new values can therefore never corrupt a copy that is still reading.
+// 2. In-graph copy: call `capture_copy(stream)` inside the capture, so the graph itself copies the
+//    dedicated graph-staging slot to the device at the start of each replay; per step, write
+//    `graph_staging()` and call `launched(stream)` after each launch (it records the guard event
+//    that the next graph_staging() waits on). No host-side copy call per step.
+//
+// Guarantees: the device address (`device()`) never changes for the object's lifetime and may be
+// baked into graphs. Move-only; a moved-from object throws usage_error on every use. Not
+// thread-safe: one thread stages and pushes. Destructors never throw.
+//
+// Example:
+//   struct meta_t { int token; int pos; };
+//   replay::step_meta<meta_t> meta;
+//   kernel<<<1, 32, 0, s.get()>>>(meta.device(), ...);       // captured once, reads meta->pos
+//   for (int pos = 0; pos < n; ++pos) {
+//     meta.staging() = {next_token, pos};
+//     meta.push(s);
+//     exec.launch(s);
+//   }
+#pragma once
+
+#include <replay/buffer.hpp>
+#include <replay/error.hpp>
+#include <replay/event.hpp>
+#include <replay/stream.hpp>
+
+#include <array>
+#include <memory>
+#include <cstddef>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+namespace replay {
+
+/// Device-resident array of per-step values with pinned, guarded host staging.
+template <class T>
+class step_meta_array {
+  static_assert(std::is_trivially_copyable_v<T>, "step metadata must be trivially copyable");
+
+ public:
+  /// Number of host staging slots used by push(): one being written while one may be in flight.
+  static constexpr std::size_t slots = 2;
+
+  step_meta_array() noexcept = default;
+  /// Allocates `count` elements on the device and `slots + 1` staging copies in pinned memory
+  /// (the extra one is the in-graph copy's source). Device memory is zero-initialised.
+  explicit step_meta_array(std::size_t count)
+      : count_(count), device_(count), staging_((slots + 1) * count), state_(std::make_unique<state>()) {
+    if (count == 0) throw usage_error("replay::step_meta_array: size must be at least 1");
+    REPLAY_CHECK(cudaMemset(device_.data(), 0, device_.size_bytes()));
+    for (std::size_t i = 0; i < staging_.size(); ++i) staging_[i] = T{};
+  }
+
+  step_meta_array(step_meta_array&&) noexcept = default;
+  step_meta_array& operator=(step_meta_array&&) noexcept = default;
+
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  /// The fixed device address kernels read from. Valid until destruction.
+  [[nodiscard]] T* device() const { return live("device"), device_.data(); }
+  [[nodiscard]] replay::device_span<T> span() const { return {device(), count_}; }
+
+  /// The staging slot for the next push(). Waits if that slot's previous copy is still running.
+  [[nodiscard]] std::span<T> staging() {
+    live("staging");
+    guard(state_->current);
+    return {staging_.data() + state_->current * count_, count_};
+  }
+
+  /// Copies the first `count` staged elements to the device on `s` (async), guards the slot with an
+  /// event, and moves staging to the other slot. Inside a capture this records a memcpy node from
+  /// the current slot instead (prefer capture_copy() for that).
+  void push(stream_ref s) { push(s, count_); }
+  void push(stream_ref s, std::size_t count) {
+    live("push");
+    if (count > count_)
+      throw usage_error(fmt::format("replay::step_meta_array::push: {} elements, capacity {}", count,
+                                    count_));
+    const std::size_t slot = state_->current;
+    REPLAY_CHECK(cudaMemcpyAsync(device_.data(), staging_.data() + slot * count_, count * sizeof(T),
+                                 cudaMemcpyHostToDevice, s.get()));
+    state_->events[slot].record(s);
+    state_->pending[slot] = true;
+    state_->current = (slot + 1) % slots;
+  }
+
+  /// Records, inside a capture on `s`, a copy from the graph-staging slot to the device: every
+  /// replay then starts by copying whatever graph_staging() holds.
+  void capture_copy(stream_ref s) {
+    live("capture_copy");
+    REPLAY_CHECK(cudaMemcpyAsync(device_.data(), staging_.data() + slots * count_, count_ * sizeof(T),
+                                 cudaMemcpyHostToDevice, s.get()));
+  }
+  /// The source of the in-graph copy. Waits until the last launch marked with launched() has
+  /// finished copying it.
+  [[nodiscard]] std::span<T> graph_staging() {
+    live("graph_staging");
+    guard(slots);
+    return {staging_.data() + slots * count_, count_};
+  }
+  /// Marks that a graph reading graph_staging() was launched on `s`.
+  void launched(stream_ref s) {
+    live("launched");
+    state_->events[slots].record(s);
+    state_->pending[slots] = true;
+  }
+
+  /// Waits for every copy that may still read staging memory.
+  void wait_idle() {
+    live("wait_idle");
+    for (std::size_t i = 0; i <= slots; ++i) guard(i);
+  }
+
+ private:
+  struct state {
+    std::array<event, slots + 1> events;
+    std::array<bool, slots + 1> pending{};
+    std::size_t current = 0;
+  };
+  void live(const char* what) const {
+    if (!state_)
+      throw usage_error(fmt::format("replay::step_meta::{}: use of a moved-from step_meta", what));
+  }
+  void guard(std::size_t slot) {
+    if (state_->pending[slot]) {
+      state_->events[slot].synchronize();
+      state_->pending[slot] = false;
+    }
+  }
+
+  std::size_t count_ = 0;
+  device_buffer<T> device_;
+  pinned_buffer<T> staging_;
+  std::unique_ptr<state> state_;  // null when moved-from
+};
+
+/// Device-resident single struct of per-step values: a step_meta_array of one element with
+/// struct-shaped accessors.
+template <class T>
+class step_meta {
+ public:
+  /// Allocates the device copy (zeroed) and pinned staging.
+  step_meta() : a_(1) {}
+  /// Allocates and stages `initial` (not pushed yet).
+  explicit step_meta(const T& initial) : a_(1) { a_.staging()[0] = initial; }
+
+  [[nodiscard]] T* device() const { return a_.device(); }
+  /// The value the next push() copies.
+  [[nodiscard]] T& staging() { return a_.staging()[0]; }
+  /// Stages `v` (shorthand for `staging() = v`).
+  void set(const T& v) { staging() = v; }
+  void push(stream_ref s) { a_.push(s); }
+  /// Stages `v` and pushes it.
+  void push(stream_ref s, const T& v) {
+    set(v);
+    push(s);
+  }
+  void capture_copy(stream_ref s) { a_.capture_copy(s); }
+  [[nodiscard]] T& graph_staging() { return a_.graph_staging()[0]; }
+  void launched(stream_ref s) { a_.launched(s); }
+  void wait_idle() { a_.wait_idle(); }
+
+ private:
+  step_meta_array<T> a_;
+};
+
+}  // namespace replay
