@@ -1,5 +1,8 @@
 // GPU tests of the core toolkit: capture, replay with step metadata, error recovery inside a
 // capture, graph_exec::update, arena addresses and moved-from handles.
+//
+// Tests that provoke CUDA API errors on purpose are in the test suite "expected_cuda_errors", so
+// compute-sanitizer can run the rest with API-error reporting on (scripts/gpu-check.sh).
 #include <doctest/doctest.h>
 #include <gpu_test.hpp>
 #include <replay/replay.hpp>
@@ -121,6 +124,7 @@ TEST_CASE("an exception inside capture discards it and leaves the stream usable"
   CHECK(host[255] == 2.0f);
 }
 
+TEST_SUITE("expected_cuda_errors") {
 TEST_CASE("cudaMalloc inside capture: cuda_error names the API and the capture, stream recovers") {
   replay::stream s;
   bool threw = false;
@@ -146,7 +150,9 @@ TEST_CASE("cudaMalloc inside capture: cuda_error names the API and the capture, 
   REPLAY_CHECK_LAUNCH("add_value");
   s.synchronize();
 }
+}  // TEST_SUITE
 
+TEST_SUITE("expected_cuda_errors") {
 TEST_CASE("device_buffer allocation inside a capture is reported the same way") {
   replay::stream s;
   replay::capture_scope scope(s);
@@ -154,7 +160,9 @@ TEST_CASE("device_buffer allocation inside a capture is reported the same way") 
   scope.discard();
   CHECK_FALSE(s.is_capturing());
 }
+}  // TEST_SUITE
 
+TEST_SUITE("expected_cuda_errors") {
 TEST_CASE("cudaStreamSynchronize inside capture: cuda_error with a hint, stream recovers") {
   replay::stream s;
   replay::device_buffer<float> x(32);
@@ -175,7 +183,9 @@ TEST_CASE("cudaStreamSynchronize inside capture: cuda_error with a hint, stream 
   REPLAY_CHECK(cudaMemsetAsync(x.data(), 0, x.size_bytes(), s.get()));
   s.synchronize();
 }
+}  // TEST_SUITE
 
+TEST_SUITE("expected_cuda_errors") {
 TEST_CASE("a launch on the legacy default stream during capture is reported") {
   replay::stream s;  // non-blocking: legacy-stream work would not join it implicitly
   replay::stream blocking(replay::stream_flags::blocking);
@@ -195,6 +205,7 @@ TEST_CASE("a launch on the legacy default stream during capture is reported") {
   blocking.synchronize();
   s.synchronize();
 }
+}  // TEST_SUITE
 
 TEST_CASE("finish() twice and capturing stream 0 are usage errors") {
   replay::stream s;
@@ -237,6 +248,7 @@ TEST_CASE("fork/join side streams; an unjoined stream is named") {
   CHECK_FALSE(side.is_capturing());
 }
 
+TEST_SUITE("expected_cuda_errors") {
 TEST_CASE("graph_exec::update: parameter change updates, topology change is reported") {
   replay::stream s;
   replay::device_buffer<float> x(128);
@@ -266,6 +278,7 @@ TEST_CASE("graph_exec::update: parameter change updates, topology change is repo
   exec.launch(s);  // re-instantiated exec runs the new graph: x = 322
   CHECK(replay_test::to_host(x.data(), 128, s)[5] == 322.0f);
 }
+}  // TEST_SUITE
 
 TEST_CASE("arena addresses stay fixed across replays and allocation after freeze throws") {
   replay::stream s;

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Core GPU check, run on the GPU machine from the repo root (see ../shared/device/README.md):
+#   source .deps/tools/env.sh && bash scripts/gpu-check.sh
+# Builds the core tests and the launch_overhead example, runs the GPU tests (plain and under
+# compute-sanitizer memcheck) and the demo, and writes logs to $OUT (or ./out).
+# TARGETS="a b" builds only those targets; CTEST_ARGS="-R x" selects tests.
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+build=${BUILD_DIR:-build-gpu-core}
+examples=${REPLAY_EXAMPLES:-launch_overhead}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DREPLAY_EXAMPLES="$examples" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build "$build" -j16 ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+(cd "$build" && ctest --output-on-failure -j4 ${CTEST_ARGS:-}) 2>&1 | tee "$out/ctest.log" | tail -25
+# memcheck, two passes per GPU test: (1) every test case, memory errors only (tests in the doctest
+# suite "expected_cuda_errors" provoke API errors on purpose); (2) all other cases with API-error
+# reporting on. Full logs go to $out/memcheck-full.log; the summary lines to $out/memcheck.log.
+san="compute-sanitizer --tool memcheck"
+: >"$out/memcheck-full.log"
+for t in "$build"/tests/gpu_test_* "$build"/examples/*/test_*gpu* ${EXTRA_GPU_TESTS:-}; do
+  [ -x "$t" ] && [ -f "$t" ] || continue
+  for pass in "--report-api-errors no|" "--report-api-errors explicit|-tse=expected_cuda_errors"; do
+    sflags=${pass%%|*}; tflags=${pass#*|}
+    echo "== memcheck $(basename "$t") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
+    $san $sflags "$t" $tflags >>"$out/memcheck-full.log" 2>&1
+    tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases" | tee -a "$out/memcheck.log"
+  done
+done
+echo "== memcheck launch_overhead" | tee -a "$out/memcheck.log"
+$san "$build/examples/launch_overhead/launch_overhead" --sizes 1,10 --iters 5 >>"$out/memcheck-full.log" 2>&1
+tail -n 1 "$out/memcheck-full.log" | tee -a "$out/memcheck.log"
+"$build/examples/launch_overhead/launch_overhead" --iters 300 --json "$out/launch_overhead.json" 2>&1 | tee "$out/launch_overhead.txt"
