@@ -1,0 +1,681 @@
+// examples/qwen/kernels.cu: kernels of the Qwen3 decoder, then their launchers.
+//
+// Precision: bf16 weights and KV cache, fp32 accumulation everywhere, fp32 residual stream; the
+// inputs of the projections are rounded to bf16 (as in a bf16 Hugging Face model).
+#include "kernels.cuh"
+
+#include <replay/error.hpp>
+
+#include <map>
+#include <utility>
+
+namespace qwen {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/// 8 bf16 packed in a uint4 -> 8 floats (bf16 -> fp32 is a 16-bit shift).
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ unsigned pack2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+/// Streaming 16-byte load of weights: read once per step, so do not pollute L1.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+/// Maps a float to an unsigned int with the same order; packed with ~index so that atomicMax picks
+/// the largest value and, among equal values, the lowest index.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
+  unsigned u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
+}
+
+__device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/// Per-head RMSNorm then rotate-half RoPE of one head (D values at x), done by one warp. Lane owns
+/// dims lane*E+e (first half) and D/2+lane*E+e (second half), so RoPE pairs stay in the lane.
+template <int D>
+__device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, float eps, const float2* rope_row,
+                                               int lane, float* lo, float* hi) {
+  constexpr int E = D / 64;
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    lo[e] = x[lane * E + e];
+    hi[e] = x[D / 2 + lane * E + e];
+    ss += lo[e] * lo[e] + hi[e] * hi[e];
+  }
+  ss = warp_sum(ss);
+  const float rs = rsqrtf(ss / D + eps);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int d = lane * E + e;
+    const float a = lo[e] * rs * __bfloat162float(w[d]);
+    const float b = hi[e] * rs * __bfloat162float(w[D / 2 + d]);
+    const float2 cs = rope_row[d];
+    lo[e] = a * cs.x - b * cs.y;
+    hi[e] = b * cs.x + a * cs.y;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+__global__ void fill_random_kernel(bf16* p, std::size_t n, std::uint64_t seed, float scale) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::uint64_t h = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = __float2bfloat16((2.f * u - 1.f) * scale);
+  }
+}
+
+__global__ void fill_const_kernel(bf16* p, std::size_t n, float v) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(v);
+}
+
+__global__ void rope_table_kernel(float2* rope, int max_pos, int half, int head_dim, float theta) {
+  const int total = max_pos * half;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const int p = i / half, j = i % half;
+    // As transformers computes it in fp32: inv_freq = 1 / theta^(2j/d); angle = pos * inv_freq.
+    const float inv = 1.0f / powf(theta, static_cast<float>(2 * j) / static_cast<float>(head_dim));
+    const float a = static_cast<float>(p) * inv;
+    float s, c;
+    sincosf(a, &s, &c);
+    rope[i] = make_float2(c, s);
+  }
+}
+
+__global__ void embed_kernel(const bf16* __restrict__ embed, int vocab, int hidden, RowMeta meta, float* residual,
+                             unsigned long long* keys) {
+  const int r = blockIdx.x;
+  int tok = meta.token[r];
+  tok = tok < 0 ? 0 : (tok >= vocab ? vocab - 1 : tok);  // inputs are validated on the host; stay in bounds
+  if (threadIdx.x == 0) keys[r] = 0ull;
+  const bf16* src = embed + std::size_t(tok) * hidden;
+  float* dst = residual + std::size_t(r) * hidden;
+  for (int k = threadIdx.x * 8; k < hidden; k += blockDim.x * 8) {
+    float f[8];
+    unpack8(*reinterpret_cast<const uint4*>(src + k), f);
+    *reinterpret_cast<float4*>(dst + k) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4*>(dst + k + 4) = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
+constexpr int kGemvWarps = 8;
+constexpr int kGemvThreads = kGemvWarps * 32;
+
+/// Fused GEMV for B batch rows: stage x (copied, or RMS-normalised from the fp32 residual) in shared
+/// memory as bf16, then each warp computes output rows in a grid-stride loop with 16-byte streaming
+/// loads of W, U of them in flight per row, fp32 accumulation, and the epilogue of MODE.
+template <int B, gemv_out MODE, bool NORM>
+__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
+                                                            float* y_f32, bf16* y_bf16, int ldy,
+                                                            unsigned long long* keys) {
+  extern __shared__ uint4 smem_u4[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K]
+  __shared__ float red[kGemvWarps][B];
+  __shared__ unsigned long long red_key[kGemvWarps][B];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  if constexpr (NORM) {
+    float ss[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) ss[b] = 0.f;
+    for (int k = tid * 4; k < K; k += kGemvThreads * 4) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
+        ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      ss[b] = warp_sum(ss[b]);
+      if (lane == 0) red[warp][b] = ss[b];
+    }
+    __syncthreads();
+    float rs[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; ++w) s += red[w][b];
+      rs[b] = rsqrtf(s / K + in.eps);
+    }
+    for (int k = tid * 8; k < K; k += kGemvThreads * 8) {
+      float g[8];
+      unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
+        const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k + 4);
+        uint4 o;
+        o.x = pack2(a.x * rs[b] * g[0], a.y * rs[b] * g[1]);
+        o.y = pack2(a.z * rs[b] * g[2], a.w * rs[b] * g[3]);
+        o.z = pack2(c.x * rs[b] * g[4], c.y * rs[b] * g[5]);
+        o.w = pack2(c.z * rs[b] * g[6], c.w * rs[b] * g[7]);
+        *reinterpret_cast<uint4*>(xs + std::size_t(b) * K + k) = o;
+      }
+    }
+  } else {
+    for (int k = tid * 8; k < K; k += kGemvThreads * 8) {
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        *reinterpret_cast<uint4*>(xs + std::size_t(b) * K + k) =
+            *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
+    }
+  }
+  __syncthreads();
+
+  constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
+  constexpr int U = 4;
+  float best_v[B];
+  int best_i[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+
+  for (int n = blockIdx.x * kGemvWarps + warp; n < N; n += gridDim.x * kGemvWarps) {
+    const bf16* wrow[R];
+    wrow[0] = W + std::size_t(n) * K;
+    if constexpr (R == 2) wrow[R - 1] = W + std::size_t(n + N) * K;
+    float acc[R][B];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+
+    for (int k0 = lane * 8; k0 < K; k0 += 32 * 8 * U) {
+      uint4 w[R][U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = k0 + u * 256;
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[r][u] = k < K ? ld_stream(wrow[r] + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = k0 + u * 256;
+        if (k < K) {
+          float wf[R][8];
+#pragma unroll
+          for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            float xf[8];
+            unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+
+    if (lane == 0) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const std::size_t o = std::size_t(b) * ldy + n;
+        if constexpr (MODE == gemv_out::store_f32) {
+          y_f32[o] = acc[0][b];
+        } else if constexpr (MODE == gemv_out::add_f32) {
+          y_f32[o] += acc[0][b];
+        } else if constexpr (MODE == gemv_out::silu_mul) {
+          const float g = acc[0][b];
+          y_bf16[o] = __float2bfloat16(g / (1.f + __expf(-g)) * acc[R - 1][b]);
+        } else {
+          y_f32[o] = acc[0][b];
+          if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = n;
+        }
+      }
+    }
+  }
+  if constexpr (MODE == gemv_out::argmax) {
+    if (lane == 0) {
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
+    }
+    __syncthreads();
+    if (tid < B) {
+      unsigned long long k = 0;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
+      if (k != 0) atomicMax(keys + tid, k);
+    }
+  }
+}
+
+__global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden, float eps, bf16* out) {
+  const int r = blockIdx.x;
+  const float* x = residual + std::size_t(r) * hidden;
+  __shared__ float red[32];
+  float ss = 0.f;
+  for (int k = threadIdx.x; k < hidden; k += blockDim.x) ss += x[k] * x[k];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) s += red[i];
+  const float rs = rsqrtf(s / hidden + eps);
+  for (int k = threadIdx.x; k < hidden; k += blockDim.x)
+    out[std::size_t(r) * hidden + k] = __float2bfloat16(x[k] * rs * __bfloat162float(w[k]));
+}
+
+__global__ void silu_mul_kernel(const float* gu, int N, int rows, bf16* act) {
+  const std::size_t total = std::size_t(rows) * N;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::size_t r = i / N, n = i % N;
+    const float g = gu[r * 2 * N + n], u = gu[r * 2 * N + N + n];
+    act[i] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+__global__ void argmax_kernel(const float* logits, int V, unsigned long long* keys) {
+  const int r = blockIdx.x;
+  const float* x = logits + std::size_t(r) * V;
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const unsigned long long k = argmax_key(x[i], i);
+    best = k > best ? k : best;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+    best = other > best ? other : best;
+  }
+  __shared__ unsigned long long red[32];
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < int(blockDim.x >> 5); ++i) best = red[i] > best ? red[i] : best;
+    keys[r] = best;
+  }
+}
+
+__device__ __forceinline__ bf16* kv_slot_ptr(const KvPool& kv, bf16* layer_base, int blk, int head, int off) {
+  return layer_base + ((std::size_t(blk) * kv.kv_heads + head) * kv.block_size + off) * kv.head_dim;
+}
+
+/// Norm + RoPE of K head `h` of row r, and its V, written into the paged pool at the row's position.
+template <int D>
+__device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, int kv_dim, const bf16* k_norm,
+                                              float eps, const float2* rope, const RowMeta& meta, int r,
+                                              const KvPool& kv, int layer, int h, int lane) {
+  constexpr int E = D / 64;
+  const int pos = meta.pos[r];
+  const int slot = meta.slot[r];
+  const int blk = meta.block_table[std::size_t(slot) * meta.table_width + pos / kv.block_size];
+  const int off = pos % kv.block_size;
+  bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
+  bf16* kp = kv_slot_ptr(kv, kbase, blk, h, off);
+  bf16* vp = kv_slot_ptr(kv, kbase + kv.kv_stride(), blk, h, off);
+  float lo[E], hi[E];
+  norm_rope_head<D>(qkv_row + q_dim + h * D, k_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    kp[lane * E + e] = __float2bfloat16(lo[e]);
+    kp[D / 2 + lane * E + e] = __float2bfloat16(hi[e]);
+  }
+  const float* v = qkv_row + q_dim + kv_dim + h * D;
+  for (int d = lane; d < D; d += 32) vp[d] = __float2bfloat16(v[d]);
+}
+
+template <int D>
+__global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* k_norm, float eps,
+                                const float2* rope, RowMeta meta, KvPool kv, int layer) {
+  const int r = blockIdx.x, h = blockIdx.y;
+  const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
+  write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, meta, r, kv, layer, h, threadIdx.x & 31);
+}
+
+constexpr int kAttnWarps = 8;
+
+/// One block per (kv head, row): the G query heads sharing that kv head. 8 lanes per token (DPL dims
+/// each), 4 tokens per warp and 32 per block in flight; online softmax per lane group, then a
+/// combine across groups (shuffles) and warps (shared memory).
+template <int D, int G>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
+                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, bf16* out) {
+  constexpr int E = D / 64;
+  constexpr int DPL = D / 8;  // dims per lane
+  constexpr int NV = DPL / 8; // uint4 loads per lane per token
+  __shared__ float q_s[G][D];
+  __shared__ float red_m[kAttnWarps][G], red_l[kAttnWarps][G];
+  __shared__ float red_acc[kAttnWarps][G][D];
+
+  const int kvh = blockIdx.x, r = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
+  const int pos = meta.pos[r];
+  const int seq_len = pos + 1;
+  const std::int32_t* table = meta.block_table + std::size_t(meta.slot[r]) * meta.table_width;
+  const float scale = rsqrtf(static_cast<float>(D));
+
+  for (int item = warp; item < G + (write_kv ? 1 : 0); item += kAttnWarps) {
+    if (item < G) {
+      float lo[E], hi[E];
+      norm_rope_head<D>(row + (kvh * G + item) * D, q_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        q_s[item][lane * E + e] = lo[e] * scale;
+        q_s[item][D / 2 + lane * E + e] = hi[e] * scale;
+      }
+    } else {
+      write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, meta, r, kv, layer, kvh, lane);
+    }
+  }
+  __syncthreads();
+
+  const int sub = lane & 7, grp = lane >> 3;
+  float q[G][DPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h][sub * DPL + j];
+  float m[G], l[G], acc[G][DPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY, l[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
+  }
+  const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
+  const bf16* vbase = kbase + kv.kv_stride();
+
+  for (int base = warp * 4; base < seq_len; base += kAttnWarps * 4) {
+    const int t = base + grp;
+    const bool valid = t < seq_len;
+    uint4 kr[NV], vr[NV];
+    if (valid) {
+      const int blk = table[t / kv.block_size];
+      const std::size_t o = ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        kr[i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+        vr[i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) kr[i] = vr[i] = make_uint4(0, 0, 0, 0);
+    }
+    float kf[DPL], vf[DPL];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) unpack8(kr[i], kf + 8 * i), unpack8(vr[i], vf + 8 * i);
+    float s[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      d += __shfl_xor_sync(0xffffffffu, d, 4);
+      s[h] = d;
+    }
+    if (valid) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float mn = fmaxf(m[h], s[h]);
+        const float corr = __expf(m[h] - mn);  // m = -inf -> 0
+        const float p = __expf(s[h] - mn);
+        l[h] = l[h] * corr + p;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j] * corr);
+        m[h] = mn;
+      }
+    }
+  }
+  // Combine the 4 lane groups of the warp.
+#pragma unroll
+  for (int o = 8; o <= 16; o <<= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
+      const float mn = fmaxf(m[h], mo);
+      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
+      const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
+      l[h] = l[h] * a + lo * b;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) {
+        const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
+        acc[h][j] = acc[h][j] * a + ao * b;
+      }
+      m[h] = mn;
+    }
+  }
+  if (grp == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      if (sub == 0) red_m[warp][h] = m[h], red_l[warp][h] = l[h];
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) red_acc[warp][h][sub * DPL + j] = acc[h][j];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
+    const int h = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, red_m[w][h]);
+    float L = 0.f, A = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float f = red_m[w][h] == -INFINITY ? 0.f : __expf(red_m[w][h] - mx);
+      L += red_l[w][h] * f;
+      A += red_acc[w][h][d] * f;
+    }
+    out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Launch helpers
+// ------------------------------------------------------------------------------------------------
+
+int fill_grid(std::size_t n) {
+  const std::size_t blocks = (n + 255) / 256;
+  return static_cast<int>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
+}
+
+template <int B, gemv_out MODE, bool NORM>
+void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
+                   unsigned long long* keys, int num_sms, cudaStream_t s) {
+  auto kernel = gemv_kernel<B, MODE, NORM>;
+  const std::size_t smem = std::size_t(B) * K * sizeof(bf16);
+  // Occupancy per (kernel, shared-memory size), computed once: the grid is capped at what fits at
+  // once, so x is staged once per resident block.
+  static std::map<std::size_t, int> resident;
+  auto it = resident.find(smem);
+  if (it == resident.end()) {
+    int per_sm = 0;
+    REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
+    it = resident.emplace(smem, per_sm < 1 ? 1 : per_sm).first;
+  }
+  const int rows_per_block = kGemvWarps;
+  int grid = (N + rows_per_block - 1) / rows_per_block;
+  const int cap = it->second * num_sms;
+  if (grid > cap) grid = cap;
+  kernel<<<grid, kGemvThreads, smem, s>>>(W, N, K, in, y_f32, y_bf16, ldy, keys);
+  REPLAY_CHECK_LAUNCH("qwen::gemv_kernel");
+}
+
+template <int B>
+void gemv_rows(const bf16* W, int N, int K, GemvIn in, gemv_out mode, float* y_f32, bf16* y_bf16, int ldy,
+               unsigned long long* keys, int num_sms, cudaStream_t s) {
+  const bool norm = in.norm_w != nullptr;
+  if (norm && mode == gemv_out::store_f32)
+    gemv_instance<B, gemv_out::store_f32, true>(W, N, K, in, y_f32, y_bf16, ldy, keys, num_sms, s);
+  else if (norm && mode == gemv_out::silu_mul)
+    gemv_instance<B, gemv_out::silu_mul, true>(W, N, K, in, y_f32, y_bf16, ldy, keys, num_sms, s);
+  else if (norm && mode == gemv_out::argmax)
+    gemv_instance<B, gemv_out::argmax, true>(W, N, K, in, y_f32, y_bf16, ldy, keys, num_sms, s);
+  else if (!norm && mode == gemv_out::add_f32)
+    gemv_instance<B, gemv_out::add_f32, false>(W, N, K, in, y_f32, y_bf16, ldy, keys, num_sms, s);
+  else
+    throw replay::usage_error("qwen::launch_gemv: unsupported (input, output) combination");
+}
+
+template <class F>
+void set_max_smem(F kernel) {
+  REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+}
+
+template <int B>
+void init_gemv_attrs() {
+  set_max_smem(gemv_kernel<B, gemv_out::store_f32, true>);
+  set_max_smem(gemv_kernel<B, gemv_out::silu_mul, true>);
+  set_max_smem(gemv_kernel<B, gemv_out::argmax, true>);
+  set_max_smem(gemv_kernel<B, gemv_out::add_f32, false>);
+}
+
+template <int D>
+void attention_d(const float* qkv, int q_heads, int kv_heads, const bf16* q_norm, const bf16* k_norm, float eps,
+                 const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, bf16* out,
+                 cudaStream_t s) {
+  const int G = q_heads / kv_heads, q_dim = q_heads * D, kv_dim = kv_heads * D;
+  const dim3 grid(kv_heads, rows);
+  const int wk = write_kv ? 1 : 0;
+  switch (G) {
+    case 1: attention_kernel<D, 1><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 2: attention_kernel<D, 2><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 4: attention_kernel<D, 4><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 8: attention_kernel<D, 8><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    default: throw replay::usage_error("qwen::launch_attention: query heads per kv head must be 1, 2, 4 or 8");
+  }
+  REPLAY_CHECK_LAUNCH("qwen::attention_kernel");
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Launchers
+// ------------------------------------------------------------------------------------------------
+
+void init_kernel_attributes() {
+  init_gemv_attrs<1>();
+  init_gemv_attrs<2>();
+  init_gemv_attrs<3>();
+  init_gemv_attrs<4>();
+}
+
+void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s) {
+  fill_random_kernel<<<fill_grid(n), 256, 0, s.get()>>>(p, n, seed, scale);
+  REPLAY_CHECK_LAUNCH("qwen::fill_random_kernel");
+}
+
+void launch_fill_const(bf16* p, std::size_t n, float value, replay::stream_ref s) {
+  fill_const_kernel<<<fill_grid(n), 256, 0, s.get()>>>(p, n, value);
+  REPLAY_CHECK_LAUNCH("qwen::fill_const_kernel");
+}
+
+void launch_rope_table(float2* rope, int max_pos, int head_dim, double theta, replay::stream_ref s) {
+  const int half = head_dim / 2;
+  rope_table_kernel<<<fill_grid(std::size_t(max_pos) * half), 256, 0, s.get()>>>(rope, max_pos, half, head_dim,
+                                                                                  static_cast<float>(theta));
+  REPLAY_CHECK_LAUNCH("qwen::rope_table_kernel");
+}
+
+void launch_embed(const bf16* embed, int vocab, int hidden, RowMeta meta, int rows, float* residual,
+                  unsigned long long* keys, replay::stream_ref s) {
+  if (hidden % 8 != 0) throw replay::usage_error("qwen::launch_embed: hidden must be a multiple of 8");
+  embed_kernel<<<rows, 128, 0, s.get()>>>(embed, vocab, hidden, meta, residual, keys);
+  REPLAY_CHECK_LAUNCH("qwen::embed_kernel");
+}
+
+void launch_gemv(const bf16* W, int N, int K, int rows, GemvIn in, gemv_out mode, float* y_f32, bf16* y_bf16,
+                 int ldy, unsigned long long* keys, int num_sms, replay::stream_ref s) {
+  if (K % 8 != 0) throw replay::usage_error("qwen::launch_gemv: K must be a multiple of 8");
+  if (std::size_t(rows) * K * sizeof(bf16) > 200 * 1024)
+    throw replay::usage_error("qwen::launch_gemv: rows * K too large for the shared-memory stage");
+  switch (rows) {
+    case 1: gemv_rows<1>(W, N, K, in, mode, y_f32, y_bf16, ldy, keys, num_sms, s.get()); break;
+    case 2: gemv_rows<2>(W, N, K, in, mode, y_f32, y_bf16, ldy, keys, num_sms, s.get()); break;
+    case 3: gemv_rows<3>(W, N, K, in, mode, y_f32, y_bf16, ldy, keys, num_sms, s.get()); break;
+    case 4: gemv_rows<4>(W, N, K, in, mode, y_f32, y_bf16, ldy, keys, num_sms, s.get()); break;
+    default: throw replay::usage_error("qwen::launch_gemv: rows must be 1..4");
+  }
+}
+
+void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps, int rows, bf16* out,
+                    replay::stream_ref s) {
+  rmsnorm_kernel<<<rows, 256, 0, s.get()>>>(residual, w, hidden, eps, out);
+  REPLAY_CHECK_LAUNCH("qwen::rmsnorm_kernel");
+}
+
+void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream_ref s) {
+  silu_mul_kernel<<<fill_grid(std::size_t(rows) * N), 256, 0, s.get()>>>(gu, N, rows, act);
+  REPLAY_CHECK_LAUNCH("qwen::silu_mul_kernel");
+}
+
+void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s) {
+  argmax_kernel<<<rows, 1024, 0, s.get()>>>(logits, V, keys);
+  REPLAY_CHECK_LAUNCH("qwen::argmax_kernel");
+}
+
+void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float eps, const float2* rope, RowMeta meta,
+                     int rows, KvPool kv, int layer, replay::stream_ref s) {
+  const int q_dim = q_heads * kv.head_dim, kv_dim = kv.kv_heads * kv.head_dim;
+  const dim3 grid(rows, kv.kv_heads);
+  if (kv.head_dim == 128)
+    kv_write_kernel<128><<<grid, 32, 0, s.get()>>>(qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
+  else if (kv.head_dim == 64)
+    kv_write_kernel<64><<<grid, 32, 0, s.get()>>>(qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
+  else
+    throw replay::usage_error("qwen::launch_kv_write: head_dim must be 64 or 128");
+  REPLAY_CHECK_LAUNCH("qwen::kv_write_kernel");
+}
+
+void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
+                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, bf16* out,
+                      replay::stream_ref s) {
+  if (kv.head_dim == 128)
+    attention_d<128>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, out, s.get());
+  else if (kv.head_dim == 64)
+    attention_d<64>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, out, s.get());
+  else
+    throw replay::usage_error("qwen::launch_attention: head_dim must be 64 or 128");
+}
+
+}  // namespace qwen

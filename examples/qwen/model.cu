@@ -1,0 +1,465 @@
+// examples/qwen/model.cu: the Engine (weights, buffers, paged KV, prefill, eager and graph decode).
+#include "model.hpp"
+
+#include <replay/capture.hpp>
+#include <replay/graph.hpp>
+
+#include <cublas_v2.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <string>
+
+namespace qwen {
+
+#define QWEN_CUBLAS(call)                                                                           \
+  do {                                                                                              \
+    const cublasStatus_t qwen_st_ = (call);                                                        \
+    if (qwen_st_ != CUBLAS_STATUS_SUCCESS)                                                          \
+      throw std::runtime_error(fmt::format("cuBLAS call {} failed: {}", #call, cublasGetStatusString(qwen_st_))); \
+  } while (false)
+
+namespace {
+
+std::string lname(int i, const char* suffix) { return fmt::format("model.layers.{}.{}", i, suffix); }
+
+/// A per-tensor seed: FNV-1a of the tensor name mixed with the user seed.
+std::uint64_t name_seed(std::uint64_t seed, const std::string& name) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h ^ (seed * 0x9E3779B97F4A7C15ull);
+}
+
+std::size_t align_elems(std::size_t n) { return (n + 127) / 128 * 128; }  // 256-byte alignment for bf16
+
+}  // namespace
+
+struct Engine::Impl {
+  Config cfg;
+  EngineOptions opt;
+  int max_rows = 0;  // rows of the activation buffers: max(max_batch, prefill_chunk)
+  int num_sms = 0;
+  replay::stream stream;
+  cublasHandle_t cublas = nullptr;
+  replay::device_buffer<std::byte> cublas_ws;
+
+  // Weights (one allocation) and views into it.
+  replay::device_buffer<bf16> weights;
+  const bf16* embed = nullptr;
+  const bf16* final_norm = nullptr;
+  const bf16* lm_head = nullptr;
+  std::vector<LayerWeights> layers;
+  replay::device_buffer<float2> rope;  // [max_context][head_dim/2] (cos, sin)
+
+  // Paged KV pool and its bookkeeping.
+  replay::device_buffer<bf16> kv_pool;
+  KvPool kv;
+  std::optional<PagedKvBook> book;
+
+  // Step metadata: rows [token | pos | slot], each max_rows long; the block tables.
+  replay::step_meta_array<std::int32_t> row_meta;
+  replay::device_buffer<std::int32_t> block_table;
+  replay::pinned_buffer<std::int32_t> block_table_host;
+  replay::event table_copied;
+  bool table_copy_pending = false;
+  RowMeta meta;
+
+  // Activations (static, max_rows rows).
+  replay::device_buffer<float> residual;  // [rows][H] fp32 residual stream
+  replay::device_buffer<bf16> xn;         // [rows][H] normalised input of a GEMM
+  replay::device_buffer<float> qkv;       // [rows][q_dim + 2 kv_dim]
+  replay::device_buffer<bf16> attn;       // [rows][q_dim]
+  replay::device_buffer<float> gu;        // [rows][2 I] gate | up (GEMM path)
+  replay::device_buffer<bf16> act;        // [rows][I]
+  replay::device_buffer<float> logits;    // [max_batch][V]
+  replay::device_buffer<unsigned long long> keys;        // [rows] packed argmax
+  replay::pinned_buffer<unsigned long long> keys_host;  // [rows]
+
+  std::vector<int> buckets;
+  std::map<int, replay::graph_exec> graphs;
+  GraphStats stats;
+
+  ~Impl() {
+    if (cublas != nullptr) (void)cublasDestroy(cublas);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  void init(const replay_examples::safetensors* st) {
+    cfg.validate();
+    opt.validate(cfg);
+    if (st != nullptr) check_weights(cfg, *st);
+    // ---- GPU work starts here -----------------------------------------------------------------
+    int dev = 0;
+    REPLAY_CHECK(cudaGetDevice(&dev));
+    REPLAY_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+    init_kernel_attributes();
+    stream = replay::stream();
+    QWEN_CUBLAS(cublasCreate(&cublas));
+    cublas_ws = replay::device_buffer<std::byte>(32u << 20);
+    QWEN_CUBLAS(cublasSetWorkspace(cublas, cublas_ws.data(), cublas_ws.size()));
+    QWEN_CUBLAS(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));
+
+    alloc_weights(st);
+    const int H = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
+    rope = replay::device_buffer<float2>(std::size_t(opt.max_context) * cfg.head_dim / 2);
+    launch_rope_table(rope.data(), opt.max_context, cfg.head_dim, cfg.rope_theta, stream);
+
+    const int nb = static_cast<int>(opt.kv_budget_bytes / kv_block_bytes(cfg, opt.block_size));
+    const int width = (opt.max_context + opt.block_size - 1) / opt.block_size;
+    book.emplace(nb, opt.block_size, opt.max_batch, width);
+    kv.num_blocks = nb, kv.block_size = opt.block_size, kv.kv_heads = cfg.num_key_value_heads,
+    kv.head_dim = cfg.head_dim;
+    kv_pool = replay::device_buffer<bf16>(kv.layer_stride() * cfg.num_hidden_layers);
+    kv.base = kv_pool.data();
+    REPLAY_CHECK(cudaMemsetAsync(kv_pool.data(), 0, kv_pool.size_bytes(), stream.get()));
+
+    max_rows = std::max(opt.max_batch, opt.prefill_chunk);
+    row_meta = replay::step_meta_array<std::int32_t>(3 * std::size_t(max_rows));
+    block_table = replay::device_buffer<std::int32_t>(book->table().size());
+    block_table_host = replay::pinned_buffer<std::int32_t>(book->table().size());
+    meta.token = row_meta.device();
+    meta.pos = row_meta.device() + max_rows;
+    meta.slot = row_meta.device() + 2 * max_rows;
+    meta.block_table = block_table.data();
+    meta.table_width = width;
+    push_block_table();
+
+    const std::size_t R = max_rows;
+    residual = replay::device_buffer<float>(R * H);
+    xn = replay::device_buffer<bf16>(R * H);
+    qkv = replay::device_buffer<float>(R * cfg.qkv_dim());
+    attn = replay::device_buffer<bf16>(R * cfg.q_dim());
+    gu = replay::device_buffer<float>(R * 2 * I);
+    act = replay::device_buffer<bf16>(R * I);
+    logits = replay::device_buffer<float>(std::size_t(opt.max_batch) * V);
+    keys = replay::device_buffer<unsigned long long>(R);
+    keys_host = replay::pinned_buffer<unsigned long long>(R);
+
+    const int top = std::min(opt.max_bucket, opt.max_batch);
+    for (int b = 1; b < top; b *= 2) buckets.push_back(b);
+    buckets.push_back(top);
+    buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+    stream.synchronize();
+  }
+
+  void alloc_weights(const replay_examples::safetensors* st) {
+    const std::size_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim, V = cfg.vocab_size;
+    const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), QKV = cfg.qkv_dim();
+    struct Piece {
+      std::string name;   // HF tensor name (random init: seed source)
+      std::size_t offset; // elements into `weights`
+      std::size_t count;
+      bool is_norm;
+    };
+    std::vector<Piece> pieces;
+    std::size_t total = 0;
+    auto place = [&](std::size_t n) {
+      const std::size_t at = total;
+      total += align_elems(n);
+      return at;
+    };
+    auto add = [&](const std::string& name, std::size_t at, std::size_t n, bool norm) {
+      pieces.push_back({name, at, n, norm});
+    };
+    const std::size_t embed_at = place(V * H);
+    add("model.embed_tokens.weight", embed_at, V * H, false);
+    std::vector<std::array<std::size_t, 8>> lay(cfg.num_hidden_layers);
+    for (int i = 0; i < cfg.num_hidden_layers; ++i) {
+      auto& o = lay[i];
+      o[0] = place(QKV * H);
+      add(lname(i, "self_attn.q_proj.weight"), o[0], Q * H, false);
+      add(lname(i, "self_attn.k_proj.weight"), o[0] + Q * H, KV * H, false);
+      add(lname(i, "self_attn.v_proj.weight"), o[0] + (Q + KV) * H, KV * H, false);
+      o[1] = place(H * Q);
+      add(lname(i, "self_attn.o_proj.weight"), o[1], H * Q, false);
+      o[2] = place(2 * I * H);
+      add(lname(i, "mlp.gate_proj.weight"), o[2], I * H, false);
+      add(lname(i, "mlp.up_proj.weight"), o[2] + I * H, I * H, false);
+      o[3] = place(H * I);
+      add(lname(i, "mlp.down_proj.weight"), o[3], H * I, false);
+      o[4] = place(H);
+      add(lname(i, "input_layernorm.weight"), o[4], H, true);
+      o[5] = place(H);
+      add(lname(i, "post_attention_layernorm.weight"), o[5], H, true);
+      o[6] = place(D);
+      add(lname(i, "self_attn.q_norm.weight"), o[6], D, true);
+      o[7] = place(D);
+      add(lname(i, "self_attn.k_norm.weight"), o[7], D, true);
+    }
+    const std::size_t norm_at = place(H);
+    add("model.norm.weight", norm_at, H, true);
+    std::size_t head_at = embed_at;
+    if (!cfg.tie_word_embeddings) {
+      head_at = place(V * H);
+      add("lm_head.weight", head_at, V * H, false);
+    }
+    weights = replay::device_buffer<bf16>(total);
+    bf16* base = weights.data();
+    for (const auto& p : pieces) {
+      if (st != nullptr) {
+        const auto& t = st->at(p.name);
+        REPLAY_CHECK(cudaMemcpyAsync(base + p.offset, t.data, p.count * sizeof(bf16), cudaMemcpyHostToDevice,
+                                     stream.get()),
+                     "copying tensor {}", p.name);
+      } else if (p.is_norm) {
+        launch_fill_const(base + p.offset, p.count, 1.0f, stream);
+      } else {
+        // uniform(-a, a) has std a / sqrt(3)
+        launch_fill_random(base + p.offset, p.count, name_seed(opt.seed, p.name), opt.init_std * 1.7320508f, stream);
+      }
+    }
+    embed = base + embed_at;
+    final_norm = base + norm_at;
+    lm_head = base + head_at;
+    for (int i = 0; i < cfg.num_hidden_layers; ++i) {
+      const auto& o = lay[i];
+      layers.push_back({base + o[0], base + o[1], base + o[2], base + o[3], base + o[4], base + o[5], base + o[6],
+                        base + o[7]});
+    }
+    stream.synchronize();  // pageable source memory of the copies must stay mapped until done
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Metadata
+  void push_block_table() {
+    auto [b, e] = book->dirty();
+    if (b == e) return;
+    if (table_copy_pending) table_copied.synchronize();  // never overwrite staging still being read
+    std::memcpy(block_table_host.data() + b, book->table().data() + b, std::size_t(e - b) * sizeof(std::int32_t));
+    REPLAY_CHECK(cudaMemcpyAsync(block_table.data() + b, block_table_host.data() + b,
+                                 std::size_t(e - b) * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream.get()));
+    table_copied.record(stream);
+    table_copy_pending = true;
+    book->clear_dirty();
+  }
+
+  /// Stages rows (padding rows point at the scratch slot, token 0, position 0) and pushes metadata.
+  void stage_and_push(std::span<const DecodeRow> rows, int padded) {
+    auto st = row_meta.staging();
+    for (int r = 0; r < max_rows; ++r) {
+      const bool real = r < static_cast<int>(rows.size());
+      st[r] = real ? rows[r].token : 0;
+      st[max_rows + r] = real ? rows[r].pos : 0;
+      st[2 * max_rows + r] = real ? rows[r].slot : book->scratch_slot();
+    }
+    (void)padded;
+    push_block_table();
+    row_meta.push(stream);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Building blocks
+  void gemm(const bf16* W, int N, int K, const bf16* X, int rows, float* Y, int ldy, float beta, replay::stream_ref s) {
+    const float alpha = 1.0f;
+    QWEN_CUBLAS(cublasSetStream(cublas, s.get()));
+    QWEN_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &alpha, W, CUDA_R_16BF, K, X, CUDA_R_16BF,
+                             K, &beta, Y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
+  /// The decoder layers on `rows` rows through the GEMM path. decode: K/V written inside attention
+  /// (one row per sequence); prefill: written for all rows first (rows of one sequence read each other).
+  void layers_gemm(int rows, bool decode, replay::stream_ref s) {
+    const int H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim(), QKV = cfg.qkv_dim();
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const auto& w = layers[l];
+      launch_rmsnorm(residual.data(), w.in_norm, H, eps, rows, xn.data(), s);
+      gemm(w.wqkv, QKV, H, xn.data(), rows, qkv.data(), QKV, 0.f, s);
+      if (!decode) launch_kv_write(qkv.data(), cfg.num_attention_heads, w.k_norm, eps, rope.data(), meta, rows, kv, l, s);
+      launch_attention(qkv.data(), cfg.num_attention_heads, w.q_norm, w.k_norm, eps, rope.data(), meta, rows, kv, l,
+                       decode, attn.data(), s);
+      gemm(w.wo, H, Q, attn.data(), rows, residual.data(), H, 1.f, s);
+      launch_rmsnorm(residual.data(), w.post_norm, H, eps, rows, xn.data(), s);
+      gemm(w.wgu, 2 * I, H, xn.data(), rows, gu.data(), 2 * I, 0.f, s);
+      launch_silu_mul(gu.data(), I, rows, act.data(), s);
+      gemm(w.wdown, H, I, act.data(), rows, residual.data(), H, 1.f, s);
+    }
+  }
+
+  /// The whole decode step for a bucket of `rows` rows: every launch reads per-step values from meta.
+  void decode_kernels(int rows, replay::stream_ref s) {
+    const int H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim(), QKV = cfg.qkv_dim(),
+              V = cfg.vocab_size;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    launch_embed(embed, V, H, meta, rows, residual.data(), keys.data(), s);
+    if (rows <= kGemvMaxRows) {
+      for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+        const auto& w = layers[l];
+        launch_gemv(w.wqkv, QKV, H, rows, GemvIn{nullptr, residual.data(), w.in_norm, eps}, gemv_out::store_f32,
+                    qkv.data(), nullptr, QKV, nullptr, num_sms, s);
+        launch_attention(qkv.data(), cfg.num_attention_heads, w.q_norm, w.k_norm, eps, rope.data(), meta, rows, kv, l,
+                         true, attn.data(), s);
+        launch_gemv(w.wo, H, Q, rows, GemvIn{attn.data(), nullptr, nullptr, eps}, gemv_out::add_f32, residual.data(),
+                    nullptr, H, nullptr, num_sms, s);
+        launch_gemv(w.wgu, I, H, rows, GemvIn{nullptr, residual.data(), w.post_norm, eps}, gemv_out::silu_mul, nullptr,
+                    act.data(), I, nullptr, num_sms, s);
+        launch_gemv(w.wdown, H, I, rows, GemvIn{act.data(), nullptr, nullptr, eps}, gemv_out::add_f32, residual.data(),
+                    nullptr, H, nullptr, num_sms, s);
+      }
+      launch_gemv(lm_head, V, H, rows, GemvIn{nullptr, residual.data(), final_norm, eps}, gemv_out::argmax,
+                  logits.data(), nullptr, V, keys.data(), num_sms, s);
+    } else {
+      layers_gemm(rows, true, s);
+      launch_rmsnorm(residual.data(), final_norm, H, eps, rows, xn.data(), s);
+      gemm(lm_head, V, H, xn.data(), rows, logits.data(), V, 0.f, s);
+      launch_argmax(logits.data(), V, rows, keys.data(), s);
+    }
+  }
+
+  void capture_bucket(int bucket) {
+    std::size_t free0 = 0, free1 = 0, total = 0;
+    // Warm-up: one eager run (same inputs, so the same K/V values are written again by the replay).
+    decode_kernels(bucket, stream);
+    stream.synchronize();
+    REPLAY_CHECK(cudaMemGetInfo(&free0, &total));
+    replay::graph g = replay::capture(stream, [&](replay::stream_ref cs) { decode_kernels(bucket, cs); });
+    stats.kernels_per_bucket[bucket] = g.kernel_node_count();
+    replay::graph_exec exec = g.instantiate({.upload_stream = stream.get()});
+    stream.synchronize();
+    REPLAY_CHECK(cudaMemGetInfo(&free1, &total));
+    stats.graph_bytes += free0 > free1 ? free0 - free1 : 0;
+    ++stats.captures;
+    graphs.emplace(bucket, std::move(exec));
+  }
+
+  int bucket_for(int n) const {
+    for (int b : buckets)
+      if (b >= n) return b;
+    if (opt.eager_fallback) return n;
+    throw input_error(fmt::format("batch of {} rows exceeds the largest graph bucket {} and eager fallback is off", n,
+                                  buckets.back()));
+  }
+
+  void check_row(const DecodeRow& r) const {
+    if (r.slot < 0 || r.slot >= book->max_seqs() || !book->in_use(r.slot))
+      throw input_error(fmt::format("decode: slot {} is not an active sequence", r.slot));
+    if (r.token < 0 || r.token >= cfg.vocab_size)
+      throw input_error(fmt::format("token id {} is out of range (vocab size {})", r.token, cfg.vocab_size));
+    if (r.pos < 0 || r.pos >= book->length(r.slot))
+      throw input_error(fmt::format("decode: position {} of slot {} is not backed by KV blocks (length {})", r.pos,
+                                    r.slot, book->length(r.slot)));
+  }
+};
+
+// -------------------------------------------------------------------------------------------------
+
+Engine::Engine(const Config& cfg, const EngineOptions& opt, const replay_examples::safetensors* weights)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->cfg = cfg;
+  impl_->opt = opt;
+  impl_->init(weights);
+}
+Engine::~Engine() = default;
+Engine::Engine(Engine&&) noexcept = default;
+Engine& Engine::operator=(Engine&&) noexcept = default;
+
+const Config& Engine::config() const { return impl_->cfg; }
+const EngineOptions& Engine::options() const { return impl_->opt; }
+PagedKvBook& Engine::kv() { return *impl_->book; }
+replay::stream_ref Engine::stream() const { return impl_->stream; }
+const std::vector<int>& Engine::buckets() const { return impl_->buckets; }
+int Engine::bucket_for(int rows) const { return impl_->bucket_for(rows); }
+const GraphStats& Engine::graph_stats() const { return impl_->stats; }
+std::size_t Engine::weight_bytes() const { return impl_->weights.size_bytes(); }
+std::size_t Engine::kv_pool_bytes() const { return impl_->kv_pool.size_bytes(); }
+std::size_t Engine::buffer_bytes() const {
+  const auto& m = *impl_;
+  return m.residual.size_bytes() + m.xn.size_bytes() + m.qkv.size_bytes() + m.attn.size_bytes() + m.gu.size_bytes() +
+         m.act.size_bytes() + m.logits.size_bytes() + m.keys.size_bytes() + m.rope.size_bytes() +
+         m.block_table.size_bytes() + m.cublas_ws.size_bytes() + 3 * sizeof(std::int32_t) * m.max_rows;
+}
+
+int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<float> logits) {
+  auto& m = *impl_;
+  const int n = static_cast<int>(tokens.size());
+  if (n < 1) throw input_error("prefill: empty prompt");
+  if (slot < 0 || slot >= m.book->max_seqs() || !m.book->in_use(slot))
+    throw input_error(fmt::format("prefill: slot {} is not an active sequence", slot));
+  if (start < 0 || start + n > m.book->length(slot))
+    throw input_error(fmt::format("prefill: positions {}..{} of slot {} are not backed by KV blocks (length {})", start,
+                                  start + n - 1, slot, m.book->length(slot)));
+  for (int t : tokens)
+    if (t < 0 || t >= m.cfg.vocab_size)
+      throw input_error(fmt::format("token id {} is out of range (vocab size {})", t, m.cfg.vocab_size));
+  if (!logits.empty() && logits.size() < std::size_t(m.cfg.vocab_size))
+    throw replay::usage_error("prefill: logits span smaller than the vocabulary");
+  const int H = m.cfg.hidden_size, V = m.cfg.vocab_size;
+  const float eps = static_cast<float>(m.cfg.rms_norm_eps);
+  std::vector<DecodeRow> rows;
+  int last = 0;
+  for (int c0 = 0; c0 < n; c0 += m.opt.prefill_chunk) {
+    const int c = std::min(m.opt.prefill_chunk, n - c0);
+    rows.clear();
+    for (int r = 0; r < c; ++r) rows.push_back({slot, tokens[c0 + r], start + c0 + r});
+    m.stage_and_push(rows, c);
+    launch_embed(m.embed, V, H, m.meta, c, m.residual.data(), m.keys.data(), m.stream);
+    m.layers_gemm(c, false, m.stream);
+    last = c - 1;
+  }
+  // Head on the last prompt row only.
+  launch_rmsnorm(m.residual.data() + std::size_t(last) * H, m.final_norm, H, eps, 1, m.xn.data(), m.stream);
+  m.gemm(m.lm_head, V, H, m.xn.data(), 1, m.logits.data(), V, 0.f, m.stream);
+  launch_argmax(m.logits.data(), V, 1, m.keys.data(), m.stream);
+  REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys.data(), sizeof(unsigned long long), cudaMemcpyDeviceToHost,
+                               m.stream.get()));
+  if (!logits.empty())
+    REPLAY_CHECK(cudaMemcpyAsync(logits.data(), m.logits.data(), std::size_t(V) * sizeof(float),
+                                 cudaMemcpyDeviceToHost, m.stream.get()));
+  m.stream.synchronize();
+  return key_to_token(m.keys_host[0]);
+}
+
+void Engine::decode(std::span<const DecodeRow> rows, bool use_graph, std::span<int> next, std::span<float> logits) {
+  auto& m = *impl_;
+  const int n = static_cast<int>(rows.size());
+  if (n < 1 || n > m.opt.max_batch)
+    throw input_error(fmt::format("decode: {} rows, expected 1..{}", n, m.opt.max_batch));
+  if (next.size() < rows.size()) throw replay::usage_error("decode: `next` smaller than the number of rows");
+  if (!logits.empty() && logits.size() < rows.size() * std::size_t(m.cfg.vocab_size))
+    throw replay::usage_error("decode: logits span smaller than rows x vocab");
+  for (int i = 0; i < n; ++i) {
+    m.check_row(rows[i]);
+    for (int j = 0; j < i; ++j)
+      if (rows[j].slot == rows[i].slot) throw input_error(fmt::format("decode: slot {} appears twice", rows[i].slot));
+  }
+  const int bucket = m.bucket_for(n);
+  m.stage_and_push(rows, bucket);
+  const bool fallback = use_graph && bucket > m.buckets.back();
+  if (use_graph && !fallback) {
+    auto it = m.graphs.find(bucket);
+    if (it == m.graphs.end()) {
+      m.capture_bucket(bucket);
+      it = m.graphs.find(bucket);
+    }
+    it->second.launch(m.stream);
+    ++m.stats.replays;
+  } else {
+    m.decode_kernels(bucket, m.stream);
+    ++(fallback ? m.stats.fallback_steps : m.stats.eager_steps);
+  }
+  m.stats.real_rows += n;
+  m.stats.padded_rows += bucket;
+  REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys.data(), std::size_t(n) * sizeof(unsigned long long),
+                               cudaMemcpyDeviceToHost, m.stream.get()));
+  if (!logits.empty())
+    REPLAY_CHECK(cudaMemcpyAsync(logits.data(), m.logits.data(), std::size_t(n) * m.cfg.vocab_size * sizeof(float),
+                                 cudaMemcpyDeviceToHost, m.stream.get()));
+  m.stream.synchronize();
+  for (int i = 0; i < n; ++i) next[i] = key_to_token(m.keys_host[i]);
+}
+
+void Engine::prewarm_graphs(int max_rows) {
+  auto& m = *impl_;
+  std::vector<int> bs;
+  for (int b : m.buckets)
+    if (b <= max_rows && !m.graphs.count(b)) bs.push_back(b);
+  std::sort(bs.rbegin(), bs.rend());
+  for (int b : bs) {
+    m.stage_and_push({}, b);  // all rows padding: scratch slot, token 0, position 0
+    m.capture_bucket(b);
+  }
+}
+
+}  // namespace qwen

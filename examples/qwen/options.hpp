@@ -1,0 +1,92 @@
+// examples/qwen/options.hpp: run-time sizes of the engine and the checks of a generation request.
+//
+// Host-only (no CUDA): everything a user can get wrong is checked here before any GPU work.
+#pragma once
+
+#include "config.hpp"
+#include "paged_kv.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qwen {
+
+/// Run-time sizes of the engine (everything is allocated once from these).
+struct EngineOptions {
+  int max_batch = 64;                        ///< rows the activation buffers hold (largest batch)
+  int max_bucket = 64;                       ///< largest graph bucket (buckets: powers of two up to it)
+  bool eager_fallback = true;                ///< batches above max_bucket run eagerly instead of failing
+  int block_size = 16;                       ///< tokens per KV block
+  std::size_t kv_budget_bytes = 1ull << 30;  ///< device memory for the KV pool
+  int max_context = 4096;                    ///< tokens per sequence (prompt + generation) at most
+  int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
+  std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
+  float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
+
+  /// KV blocks the budget buys for this config.
+  [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
+    return static_cast<std::int64_t>(kv_budget_bytes) / kv_block_bytes(c, block_size);
+  }
+
+  /// Throws input_error unless the sizes are usable with `c`.
+  void validate(const Config& c) const {
+    if (max_batch < 1 || max_batch > 1024) throw input_error("batch must be in 1..1024");
+    if (max_bucket < 1 || max_bucket > 1024) throw input_error("largest bucket must be in 1..1024");
+    if (block_size < 1 || block_size > 256) throw input_error("KV block size must be in 1..256");
+    if (max_context < 2) throw input_error("max context must be at least 2 tokens");
+    if (max_context > c.max_position_embeddings)
+      throw input_error(fmt::format("max context {} exceeds the model's max_position_embeddings {}", max_context,
+                                    c.max_position_embeddings));
+    if (prefill_chunk < 1) throw input_error("prefill chunk must be positive");
+    const std::int64_t nb = kv_blocks(c);
+    if (nb < 2)
+      throw input_error(fmt::format("KV memory budget of {} bytes holds {} blocks of {} bytes; at least 2 are needed",
+                                    kv_budget_bytes, nb, kv_block_bytes(c, block_size)));
+    if (nb > (1ll << 30)) throw input_error("KV memory budget too large");
+  }
+};
+
+/// One sequence of a generation request.
+struct SequenceRequest {
+  std::vector<int> prompt;  ///< prompt token ids
+  int generate = 0;         ///< tokens to generate after the prompt
+};
+
+/// Checks a request against the config and the engine sizes: token ids in range, prompt +
+/// generation within the context and the KV budget (all sequences resident at once), and the batch
+/// within the largest bucket unless eager fallback is on. Throws input_error naming the problem.
+inline void validate_request(const Config& c, const EngineOptions& o, const std::vector<SequenceRequest>& seqs) {
+  o.validate(c);
+  if (seqs.empty()) throw input_error("no sequences requested");
+  const int batch = static_cast<int>(seqs.size());
+  if (batch > o.max_batch) throw input_error(fmt::format("batch {} exceeds the engine's maximum {}", batch, o.max_batch));
+  if (batch > o.max_bucket && !o.eager_fallback)
+    throw input_error(fmt::format("batch {} is larger than the largest graph bucket {} and eager fallback is off",
+                                  batch, o.max_bucket));
+  std::int64_t blocks = 0;
+  for (int s = 0; s < batch; ++s) {
+    const auto& q = seqs[s];
+    if (q.prompt.empty()) throw input_error(fmt::format("sequence {}: empty prompt", s));
+    if (q.generate < 0) throw input_error(fmt::format("sequence {}: negative generation length", s));
+    for (std::size_t i = 0; i < q.prompt.size(); ++i)
+      if (q.prompt[i] < 0 || q.prompt[i] >= c.vocab_size)
+        throw input_error(fmt::format("sequence {}: token id {} at prompt position {} is out of range (vocab size {})",
+                                      s, q.prompt[i], i, c.vocab_size));
+    const std::int64_t total = static_cast<std::int64_t>(q.prompt.size()) + q.generate;
+    if (total > o.max_context)
+      throw input_error(fmt::format("sequence {}: prompt ({}) + generation ({}) = {} tokens exceeds the context limit {}",
+                                    s, q.prompt.size(), q.generate, total, o.max_context));
+    blocks += (total + o.block_size - 1) / o.block_size;
+  }
+  const std::int64_t avail = o.kv_blocks(c) - 1;  // block 0 is scratch
+  if (blocks > avail)
+    throw input_error(fmt::format("the request needs {} KV blocks ({:.1f} MiB) but the KV budget holds {} ({:.1f} MiB); "
+                                  "raise --kv-mem-mb or shorten the request",
+                                  blocks, blocks * kv_block_bytes(c, o.block_size) / 1048576.0, avail,
+                                  avail * kv_block_bytes(c, o.block_size) / 1048576.0));
+}
+
+}  // namespace qwen
