@@ -1,0 +1,127 @@
+// nanogpt/model.hpp: the decoder's host API (plain C++; the kernels live in model.cu).
+//
+// A Model owns everything a decode step touches, allocated once in its constructor: the weights,
+// the residual-stream and query buffers, the static KV cache (block_size slots per head), the
+// logits, the step metadata (replay::step_meta<StepMeta>) and a pinned slot the sampler writes the
+// token into. Nothing is allocated after construction, so every address a captured graph holds
+// stays valid for the Model's lifetime.
+//
+// One decode step = push StepMeta (token, pos, seq_len, sampling) → run the step's kernels → the
+// token is in pinned host memory after one stream synchronisation. The kernels are the same in
+// both modes; only how they are launched differs:
+//   Mode::eager  launches the kernels one by one from the host (kernels_per_decode_step launches);
+//   Mode::graph  replays the graph captured by capture_decode_graph() (one cudaGraphLaunch).
+// The graph does not depend on the position, token, prompt or sampling settings (all read from
+// StepMeta), so one capture serves every step of every generation.
+//
+// Thread safety: none; use a Model from one thread. Move-only.
+#pragma once
+
+#include "config.hpp"
+#include "weights.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string_view>
+#include <vector>
+
+namespace nanogpt {
+
+/// How a decode step is launched.
+enum class Mode { eager, graph };
+constexpr std::string_view to_string(Mode m) noexcept { return m == Mode::eager ? "eager" : "graph"; }
+
+/// Launch settings (the same for both modes, so eager and graph stay bit-identical).
+struct ModelOptions {
+  /// Programmatic dependent launch (sm_90+): each kernel may start while the previous one runs,
+  /// loading its weights before it waits for the previous kernel's output. Off: plain launches.
+  bool pdl = true;
+};
+
+/// No usable CUDA device (the message says why).
+class no_device_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Throws no_device_error unless a CUDA device can be used; returns its name.
+std::string require_device();
+
+class Model {
+ public:
+  /// Kernels in one decode step: embedding, per layer {attention sublayer, FFN sublayer}, lm_head
+  /// + sampling.
+  static constexpr int kernels_per_decode_step = 2 + 2 * Config::n_layer;
+  /// Kernels in a prefill: embedding, per layer {QKV, attention, FFN}, lm_head + sampling.
+  static constexpr int kernels_per_prefill = 2 + 3 * Config::n_layer;
+
+  /// Uploads `weights` and allocates every buffer (needs a CUDA device: throws no_device_error).
+  explicit Model(const Weights& weights, ModelOptions options = {});
+  ~Model();
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  /// Eager prefill: writes the prompt's keys and values into cache slots [0, prompt.size()) and
+  /// returns the first new token (sampled from the last prompt position's logits).
+  /// Requires 1 <= prompt.size() <= block_size and every id in [0, vocab_size).
+  std::int32_t prefill(std::span<const std::int32_t> prompt, const Sampling& sampling);
+
+  /// One decode step: feeds `token` at position `pos` (cache slot `pos` is written; slots < pos must
+  /// hold the sequence so far) and returns the sampled next token. Mode::graph needs
+  /// capture_decode_graph() first.
+  std::int32_t decode_step(std::int32_t token, int pos, const Sampling& sampling, Mode mode);
+
+  /// Issues one decode step like decode_step() but returns without waiting for it or reading the
+  /// token (for back-to-back throughput measurements). Call synchronize() before reading anything.
+  void enqueue_decode_step(std::int32_t token, int pos, const Sampling& sampling, Mode mode);
+  /// Waits for all work issued on the model's stream.
+  void synchronize();
+
+  /// Captures one decode step into a graph (nothing runs), instantiates and uploads it. Replaces a
+  /// previous graph. Must not be called while a step is in flight (it never is: steps synchronise).
+  void capture_decode_graph();
+  [[nodiscard]] bool has_graph() const noexcept;
+  /// Nodes / kernel nodes of the captured graph (0 before capture).
+  [[nodiscard]] std::size_t graph_nodes() const noexcept;
+  [[nodiscard]] std::size_t graph_kernel_nodes() const noexcept;
+
+  /// The logits (vocab_size floats) of the last position processed by prefill or decode_step.
+  [[nodiscard]] std::vector<float> logits() const;
+
+  [[nodiscard]] const ModelOptions& options() const noexcept;
+  /// The stream every kernel runs on.
+  [[nodiscard]] cudaStream_t stream() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Throws std::invalid_argument unless a prompt of `prompt_len` tokens followed by `n_tokens` new
+/// tokens fits the context (prompt_len >= 1, n_tokens >= 1, prompt_len + n_tokens <= block_size).
+void check_lengths(std::size_t prompt_len, long long n_tokens);
+
+/// What one generate() call produced and how long each part took (host wall clock, µs).
+struct GenerateResult {
+  std::vector<std::int32_t> tokens;  ///< the n_tokens new tokens (the prompt excluded)
+  double prefill_us = 0;             ///< prefill + first token on the host
+  double capture_us = 0;             ///< graph mode: capture + instantiate + upload (0 if reused)
+  double decode_us = 0;              ///< all decode steps
+  double total_us = 0;               ///< prefill + capture + decode
+  std::vector<double> step_us;       ///< each decode step: push → launch → token on the host
+};
+
+/// Prefill (eager), then n_tokens - 1 decode steps in `mode`. In graph mode the step is captured
+/// after the prefill when `fresh_capture` is set or no graph exists yet (as the seed does: warm-up
+/// and capture count in the end-to-end time). Checks the lengths first (check_lengths).
+GenerateResult generate(Model& model, std::span<const std::int32_t> prompt, int n_tokens, Mode mode,
+                        const Sampling& sampling, bool fresh_capture = true);
+
+}  // namespace nanogpt

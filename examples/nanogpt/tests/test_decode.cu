@@ -1,0 +1,230 @@
+// GPU tests of the NanoGPT decoder: logits against a CPU reference, eager == graph tokens for
+// several prompts / lengths / sampling settings, graph structure, argument checks.
+#include "gpu_test.hpp"
+#include "nanogpt/model.hpp"
+#include "nanogpt/vocab.hpp"
+#include "nanogpt/weights.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+using namespace nanogpt;
+using C = Config;
+
+namespace {
+
+/// Weights with larger magnitudes than the default init, so attention and sampling are not
+/// near-uniform and a wrong mask, head split or residual shows up in the logits.
+Weights spicy_weights(std::uint64_t seed) {
+  Weights w = random_weights(seed);
+  std::uint64_t i = 0;
+  for (const auto& s : tensor_specs()) {
+    for (std::size_t k = 0; k < s.numel; ++k, ++i) {
+      float& v = w.data[s.offset + k];
+      const float u = replay_examples::uniform01(seed + 99, i) - 0.5f;
+      v = v * 15.0f + 0.2f * u;
+    }
+  }
+  return w;
+}
+
+/// Full causal forward of the seed's model in double precision: logits of every position.
+std::vector<std::vector<double>> reference_logits(const Weights& w, const std::vector<std::int32_t>& tokens) {
+  const int T = static_cast<int>(tokens.size()), E = C::n_embd, H = C::n_head, D = C::head_size;
+  const auto t = [&](const std::string& name) { return w.tensor(name); };
+  std::vector<std::vector<double>> x(T, std::vector<double>(E));
+  for (int i = 0; i < T; ++i)
+    for (int c = 0; c < E; ++c)
+      x[i][c] = t("token_embedding_table.weight")[tokens[i] * E + c] + t("position_embedding_table.weight")[i * E + c];
+  const auto layer_norm = [&](const std::vector<double>& v, std::span<const float> g, std::span<const float> b) {
+    double mean = 0, var = 0;
+    for (double a : v) mean += a;
+    mean /= E;
+    for (double a : v) var += (a - mean) * (a - mean);
+    var /= E;
+    std::vector<double> o(E);
+    for (int c = 0; c < E; ++c) o[c] = (v[c] - mean) / std::sqrt(var + C::ln_eps) * g[c] + b[c];
+    return o;
+  };
+  const auto linear = [&](const std::vector<double>& v, std::span<const float> W, const float* b, int out) {
+    const int in = static_cast<int>(v.size());
+    std::vector<double> o(out);
+    for (int r = 0; r < out; ++r) {
+      double acc = b ? b[r] : 0.0;
+      for (int c = 0; c < in; ++c) acc += W[r * in + c] * v[c];
+      o[r] = acc;
+    }
+    return o;
+  };
+  for (int l = 0; l < C::n_layer; ++l) {
+    const std::string p = fmt::format("blocks.{}.", l);
+    std::vector<std::vector<double>> qkv(T);
+    for (int i = 0; i < T; ++i) qkv[i] = linear(layer_norm(x[i], t(p + "ln1.weight"), t(p + "ln1.bias")), t(p + "sa.qkv.weight"), nullptr, 3 * E);
+    for (int i = 0; i < T; ++i) {
+      std::vector<double> heads(E);
+      for (int h = 0; h < H; ++h) {
+        std::vector<double> s(i + 1);
+        double mx = -1e300;
+        for (int j = 0; j <= i; ++j) {
+          double d = 0;
+          for (int k = 0; k < D; ++k) d += qkv[i][h * D + k] * qkv[j][E + h * D + k];
+          s[j] = d / std::sqrt(static_cast<double>(D));
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (auto& v : s) sum += (v = std::exp(v - mx));
+        for (int k = 0; k < D; ++k) {
+          double acc = 0;
+          for (int j = 0; j <= i; ++j) acc += s[j] / sum * qkv[j][2 * E + h * D + k];
+          heads[h * D + k] = acc;
+        }
+      }
+      const auto y = linear(heads, t(p + "sa.attn_proj.weight"), t(p + "sa.attn_proj.bias").data(), E);
+      for (int c = 0; c < E; ++c) x[i][c] += y[c];
+    }
+    for (int i = 0; i < T; ++i) {
+      auto hdn = linear(layer_norm(x[i], t(p + "ln2.weight"), t(p + "ln2.bias")), t(p + "ffwd.net.0.weight"),
+                        t(p + "ffwd.net.0.bias").data(), C::ffn_hidden);
+      for (auto& v : hdn) v = std::max(v, 0.0);
+      const auto y = linear(hdn, t(p + "ffwd.net.2.weight"), t(p + "ffwd.net.2.bias").data(), E);
+      for (int c = 0; c < E; ++c) x[i][c] += y[c];
+    }
+  }
+  std::vector<std::vector<double>> logits(T);
+  for (int i = 0; i < T; ++i)
+    logits[i] = linear(layer_norm(x[i], t("ln_f.weight"), t("ln_f.bias")), t("lm_head.weight"), t("lm_head.bias").data(),
+                       C::vocab_size);
+  return logits;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("logits of prefill and of eager and graph decode steps match a CPU reference") {
+  const Weights w = spicy_weights(11);
+  const auto tokens = encode("First Citizen:\nBefore we proceed any further, hear me speak.");
+  const auto ref = reference_logits(w, tokens);
+  double spread = 0;
+  for (double v : ref.back()) spread = std::max(spread, std::abs(v));
+  REQUIRE(spread > 1.0);  // the test weights give non-trivial logits
+  for (bool pdl : {true, false}) {
+    Model model(w, {.pdl = pdl});
+    for (Mode mode : {Mode::eager, Mode::graph}) {
+      CAPTURE(pdl);
+      CAPTURE(to_string(mode));
+      const int k = 5;
+      (void)model.prefill(std::span<const std::int32_t>(tokens.data(), k), {});
+      CHECK(max_abs_diff(model.logits(), ref[k - 1]) < 1e-4);
+      if (mode == Mode::graph) model.capture_decode_graph();
+      double worst = 0;
+      for (int pos = k; pos < static_cast<int>(tokens.size()); ++pos) {
+        (void)model.decode_step(tokens[pos], pos, {}, mode);
+        worst = std::max(worst, max_abs_diff(model.logits(), ref[pos]));
+      }
+      CHECK(worst < 1e-4);
+      // A full prefill of the whole text gives the last position's logits too.
+      (void)model.prefill(tokens, {});
+      CHECK(max_abs_diff(model.logits(), ref.back()) < 1e-4);
+    }
+  }
+}
+
+TEST_CASE("eager and graph produce identical tokens for several prompts, lengths and settings") {
+  std::vector<std::pair<std::string, Weights>> weight_sets;
+  weight_sets.emplace_back("spicy", spicy_weights(3));
+  weight_sets.emplace_back("random init", random_weights(1));
+  if (std::filesystem::exists(NANOGPT_DEFAULT_WEIGHTS))
+    weight_sets.emplace_back("shipped", load_weights(NANOGPT_DEFAULT_WEIGHTS));
+  struct Case {
+    std::string prompt;
+    int tokens;
+    Sampling sampling;
+  };
+  const std::vector<Case> cases = {
+      {"\n", 63, {1.0f, 42, false}},
+      {"ROMEO:", 20, {0.8f, 7, false}},
+      {"To be, or not to be", 45, {1.0f, 1337, false}},
+      {"First Citizen:\nBefore we proceed any further, hear me speak.", 4, {1.3f, 5, false}},
+      {"KING", 60, {1.0f, 0, true}},
+      {"a", 1, {1.0f, 9, false}},
+  };
+  for (const auto& [wname, w] : weight_sets) {
+    for (bool pdl : {true, false}) {
+      Model model(w, {.pdl = pdl});
+      for (const auto& c : cases) {
+        CAPTURE(wname);
+        CAPTURE(pdl);
+        CAPTURE(c.prompt);
+        CAPTURE(c.tokens);
+        const auto prompt = encode(c.prompt);
+        const auto e = generate(model, prompt, c.tokens, Mode::eager, c.sampling);
+        const auto g = generate(model, prompt, c.tokens, Mode::graph, c.sampling);
+        REQUIRE(e.tokens.size() == static_cast<std::size_t>(c.tokens));
+        CHECK(e.tokens == g.tokens);
+        // Same seed again: same tokens (no hidden state survives between generations).
+        const auto again = generate(model, prompt, c.tokens, Mode::graph, c.sampling, /*fresh_capture=*/false);
+        CHECK(again.tokens == g.tokens);
+      }
+    }
+  }
+}
+
+TEST_CASE("PDL on and off run the same kernels: identical tokens") {
+  const Weights w = spicy_weights(5);
+  const auto prompt = encode("MENENIUS:");
+  Model a(w, {.pdl = true});
+  Model b(w, {.pdl = false});
+  const Sampling s{1.0f, 77, false};
+  CHECK(generate(a, prompt, 50, Mode::graph, s).tokens == generate(b, prompt, 50, Mode::eager, s).tokens);
+}
+
+TEST_CASE("different seeds sample different text; greedy ignores the seed") {
+  const Weights w = spicy_weights(9);
+  Model model(w);
+  const auto prompt = encode("ROMEO:");
+  const auto a = generate(model, prompt, 40, Mode::graph, {1.0f, 1, false});
+  const auto b = generate(model, prompt, 40, Mode::graph, {1.0f, 2, false});
+  CHECK(a.tokens != b.tokens);
+  const auto g1 = generate(model, prompt, 40, Mode::graph, {1.0f, 1, true});
+  const auto g2 = generate(model, prompt, 40, Mode::eager, {1.0f, 2, true});
+  CHECK(g1.tokens == g2.tokens);
+}
+
+TEST_CASE("the captured step is 10 kernel nodes and one capture serves every position") {
+  Model model(spicy_weights(4));
+  CHECK_FALSE(model.has_graph());
+  const auto prompt = encode("HAMLET:");
+  (void)model.prefill(prompt, {});
+  model.capture_decode_graph();
+  CHECK(model.has_graph());
+  CHECK(model.graph_kernel_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
+  CHECK(model.graph_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
+  // Reuse the same graph for two different prompts and compare with eager.
+  for (const char* text : {"O", "Good morrow, cousin."}) {
+    const auto p = encode(text);
+    const auto e = generate(model, p, 30, Mode::eager, {1.0f, 3, false});
+    const auto g = generate(model, p, 30, Mode::graph, {1.0f, 3, false}, /*fresh_capture=*/false);
+    CHECK(e.tokens == g.tokens);
+  }
+}
+
+TEST_CASE("decode_step and prefill refuse bad arguments") {
+  Model model(random_weights(1));
+  CHECK_THROWS_AS((void)model.decode_step(0, 0, {}, Mode::graph), replay::usage_error);
+  const std::vector<std::int32_t> bad = {1, 65};
+  CHECK_THROWS_AS((void)model.prefill(bad, {}), std::invalid_argument);
+  CHECK_THROWS_AS((void)model.prefill({}, {}), std::invalid_argument);
+  CHECK_THROWS_AS((void)model.decode_step(70, 3, {}, Mode::eager), std::invalid_argument);
+  CHECK_THROWS_AS((void)model.decode_step(1, 64, {}, Mode::eager), std::invalid_argument);
+  CHECK_THROWS_AS((void)model.decode_step(1, 3, {0.0f, 1, false}, Mode::eager), std::invalid_argument);
+  CHECK_THROWS_AS((void)generate(model, encode("abc"), 62, Mode::eager, {}), std::invalid_argument);
+}
