@@ -1,0 +1,371 @@
+// replay/runner.hpp: the decode-step runner: graphs when possible, eager when not, never a lost step.
+//
+// `step_runner<Key>` wraps a user step function and a graph pool. `run(key, stream)` replays the
+// graph for the key (capturing it on first use, see graph_pool.hpp). When a capture, an
+// instantiation or a replay fails, the runner
+//   1. writes one warning (fmt) to its warning sink (stderr unless replaced): once per runner, or
+//      once per key, and per failure phase;
+//   2. turns graphs off for the whole runner (fallback_scope::runner, the default, as mistral.rs
+//      does for a pipeline) or for that key only (fallback_scope::key), dropping the graphs it no
+//      longer uses;
+//   3. runs the step eagerly on the same stream and returns: the request is not lost.
+// A step that fails when run eagerly (its warm-up) is not a graph problem: that exception
+// propagates.
+//
+// Kill switch: the environment variable REPLAY_CUDA_GRAPHS, read once per process, turns graphs
+// off for every runner when it is 0, false, off or no (any case); 1, true, on, yes or unset leave
+// them on; anything else warns once and leaves them on. `parse_graphs_switch()` is the pure parser.
+// `runner_options::use_graphs = false` turns one runner's graphs off; it cannot turn them on
+// against the kill switch.
+//
+// Batches: `run_batch(n, stream, make_key)` pads n with the runner's bucket policy, builds the key
+// with `make_key(bucket)` and runs it, counting real vs padded rows. A batch above the largest
+// bucket runs eagerly with `make_key(n)` (oversize_policy::eager, counted) or throws usage_error
+// (oversize_policy::throw_error).
+//
+// Guarantees: the graph hit path adds two predictable branches to graph_pool::run and allocates
+// nothing. Not thread-safe (one thread drives a runner). Move-constructible.
+//
+// Example:
+//   auto step = [&](replay::stream_ref s, const replay::graph_key& k) { decode_step(s, k.bucket); };
+//   replay::step_runner<replay::graph_key> runner(step, {.buckets = replay::bucket_policy::powers_of_two(64)});
+//   const std::size_t b = runner.buckets().pad(n).value_or(n);
+//   stage_rows(n, b); meta.push(s);                          // per-step values, padded rows too
+//   runner.run_batch(n, s, [](std::size_t rows) { return replay::graph_key{.bucket = uint32_t(rows)}; });
+#pragma once
+
+#include <replay/bucket.hpp>
+#include <replay/error.hpp>
+#include <replay/graph_pool.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace replay {
+
+// ------------------------------------------------------------------------------------------------
+// Warnings
+// ------------------------------------------------------------------------------------------------
+
+/// Receives one warning message (no trailing newline).
+using warning_sink = std::function<void(std::string_view)>;
+
+/// The default sink: "replay: warning: <message>" on stderr.
+inline void stderr_warning_sink(std::string_view message) {
+  fmt::print(stderr, "replay: warning: {}\n", message);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kill switch
+// ------------------------------------------------------------------------------------------------
+
+/// The name of the kill-switch environment variable.
+inline constexpr const char* graphs_env_var = "REPLAY_CUDA_GRAPHS";
+
+/// The meaning of a REPLAY_CUDA_GRAPHS value.
+struct graphs_switch {
+  bool enabled = true;     ///< graphs allowed
+  bool recognised = true;  ///< the value was one of the known words (or unset)
+  friend constexpr bool operator==(const graphs_switch&, const graphs_switch&) noexcept = default;
+};
+
+/// Parses a REPLAY_CUDA_GRAPHS value (nullopt = unset). Case-insensitive, surrounding blanks
+/// ignored. 0/false/off/no disable; 1/true/on/yes, unset or empty enable; anything else enables
+/// and is not recognised (the caller warns).
+[[nodiscard]] constexpr graphs_switch parse_graphs_switch(std::optional<std::string_view> value) noexcept {
+  if (!value) return {true, true};
+  std::string_view v = *value;
+  constexpr std::string_view blanks = " \t\r\n";
+  while (!v.empty() && blanks.find(v.front()) != std::string_view::npos) v.remove_prefix(1);
+  while (!v.empty() && blanks.find(v.back()) != std::string_view::npos) v.remove_suffix(1);
+  if (v.empty()) return {true, true};
+  const auto is = [&](std::string_view word) {
+    if (v.size() != word.size()) return false;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      char c = v[i];
+      if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+      if (c != word[i]) return false;
+    }
+    return true;
+  };
+  for (const std::string_view off : {"0", "false", "off", "no"})
+    if (is(off)) return {false, true};
+  for (const std::string_view on : {"1", "true", "on", "yes"})
+    if (is(on)) return {true, true};
+  return {true, false};
+}
+
+namespace detail {
+
+// Packed switch state: bit 0 enabled, bit 1 recognised, bit 2 parsed, bit 3 warning already given.
+inline std::atomic<unsigned>& graphs_switch_state() noexcept {
+  static std::atomic<unsigned> state{0};
+  return state;
+}
+
+inline unsigned read_graphs_env() noexcept {
+  const char* raw = std::getenv(graphs_env_var);  // NOLINT: read once, before threads matter
+  const graphs_switch sw =
+      parse_graphs_switch(raw ? std::optional<std::string_view>(raw) : std::nullopt);
+  return (sw.enabled ? 1u : 0u) | (sw.recognised ? 2u : 0u) | 4u;
+}
+
+}  // namespace detail
+
+/// REPLAY_CUDA_GRAPHS as parsed once per process (the first call reads the environment).
+[[nodiscard]] inline graphs_switch graphs_env() noexcept {
+  auto& st = detail::graphs_switch_state();
+  unsigned v = st.load(std::memory_order_acquire);
+  if ((v & 4u) == 0) {
+    unsigned expected = v;
+    const unsigned parsed = detail::read_graphs_env();
+    st.compare_exchange_strong(expected, parsed, std::memory_order_acq_rel);
+    v = st.load(std::memory_order_acquire);
+  }
+  return {(v & 1u) != 0, (v & 2u) != 0};
+}
+
+/// Re-reads REPLAY_CUDA_GRAPHS (for tests, or a program that sets it with setenv after start).
+/// Runners created before keep the setting they started with.
+inline graphs_switch refresh_graphs_env() noexcept {
+  detail::graphs_switch_state().store(detail::read_graphs_env(), std::memory_order_release);
+  return graphs_env();
+}
+
+namespace detail {
+/// Warns once per process (through `sink`) when REPLAY_CUDA_GRAPHS held an unknown value.
+inline void warn_unrecognised_graphs_env(const warning_sink& sink) {
+  if (graphs_env().recognised) return;
+  auto& st = graphs_switch_state();
+  const unsigned before = st.fetch_or(8u, std::memory_order_acq_rel);
+  if ((before & 8u) != 0) return;
+  const char* raw = std::getenv(graphs_env_var);  // NOLINT
+  const std::string msg =
+      fmt::format("{}='{}' is not one of 0/false/off/no or 1/true/on/yes; CUDA graphs stay enabled",
+                  graphs_env_var, raw ? raw : "");
+  if (sink) sink(msg); else stderr_warning_sink(msg);
+}
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// The runner
+// ------------------------------------------------------------------------------------------------
+
+/// What a failure turns off.
+enum class fallback_scope : std::uint8_t {
+  runner,  ///< graphs off for the whole runner (default)
+  key,     ///< graphs off for the failing key only
+};
+
+/// What run_batch does with a batch above the largest bucket.
+enum class oversize_policy : std::uint8_t {
+  eager,        ///< run it eagerly, unpadded (counted as eager_oversize)
+  throw_error,  ///< throw usage_error
+};
+
+/// Settings of a step_runner.
+struct runner_options {
+  pool_options pool{};                        ///< capacity, warm-up runs, capture mode, memory probe
+  bucket_policy buckets{};                    ///< for run_batch (default: vllm_default(512))
+  fallback_scope fallback = fallback_scope::runner;  ///< what a failure turns off
+  oversize_policy oversize = oversize_policy::eager;  ///< batches above the largest bucket
+  warning_sink warn{};                        ///< where warnings go (empty: stderr)
+  bool use_graphs = true;                     ///< false: this runner always runs eagerly
+};
+
+/// Runs a decode step through a graph pool with eager fallback. See the header comment.
+template <class Key, class Backend = cuda_graph_backend, class Hash = key_hash<Key>>
+class basic_step_runner {
+ public:
+  using key_type = Key;
+  using pool_type = basic_graph_pool<Key, Backend, Hash>;
+  using stream_type = typename Backend::stream_type;
+  /// The user's step: issues one decode step for `key` (rows = the key's bucket) to the stream.
+  using step_function = std::function<void(stream_type, const Key&)>;
+
+  explicit basic_step_runner(step_function step, runner_options options = {}, Backend backend = Backend{})
+      : step_(std::move(step)),
+        buckets_(std::move(options.buckets)),
+        fallback_(options.fallback),
+        oversize_(options.oversize),
+        warn_(std::move(options.warn)),
+        pool_(options.pool, std::move(backend)) {
+    if (!step_) throw usage_error("replay::step_runner: the step function is empty");
+    detail::warn_unrecognised_graphs_env(warn_);
+    if (!graphs_env().enabled) {
+      off_ = off_reason::kill_switch;
+    } else if (!options.use_graphs) {
+      off_ = off_reason::option;
+    }
+  }
+
+  /// Runs the step for `key` on `s`: replays its graph (capturing it on first use), or runs
+  /// eagerly when graphs are off for the runner or the key. A capture or replay failure is
+  /// reported once, turns graphs off (runner or key) and the step runs eagerly. `rows` feeds the
+  /// real-vs-padded statistics.
+  step_path run(const Key& key, stream_type s, batch_rows rows = {}) {
+    if (off_ != off_reason::none) [[unlikely]]
+      return eager(key, s, rows, off_ == off_reason::failure ? step_path::eager_fallback
+                                                             : step_path::eager_disabled);
+    if (!key_state_.empty()) [[unlikely]] {
+      const auto it = key_state_.find(key);
+      if (it != key_state_.end() && (it->second & disabled_bit) != 0)
+        return eager(key, s, rows, step_path::eager_fallback);
+    }
+    try {
+      return pool_.run(key, s, step_, rows);
+    } catch (const std::exception& e) {
+      return on_failure(key, s, rows, e);
+    }
+  }
+
+  /// Pads `n` rows to a bucket, builds the key with `make_key(bucket)` and runs it. Above the
+  /// largest bucket: eager with `make_key(n)` or usage_error, per the oversize policy.
+  template <class MakeKey>
+  step_path run_batch(std::size_t n, stream_type s, MakeKey&& make_key) {
+    const std::optional<std::size_t> b = buckets_.pad(n);
+    if (!b) [[unlikely]] {
+      if (oversize_ == oversize_policy::throw_error)
+        throw usage_error(fmt::format("replay::step_runner: a batch of {} rows exceeds the largest "
+                                      "bucket ({}) and the oversize policy is throw_error",
+                                      n, buckets_.largest()));
+      return eager(make_key(n), s, {n, n}, step_path::eager_oversize);
+    }
+    return run(make_key(*b), s, {n, *b});
+  }
+
+  /// Runs the step eagerly for `key`, counted as `why` (an eager step_path).
+  step_path eager(const Key& key, stream_type s, batch_rows rows, step_path why) {
+    step_(s, key);
+    pool_.note_eager(why, rows);
+    return why;
+  }
+
+  /// Graphs are on for this runner (not switched off, no runner-wide failure).
+  [[nodiscard]] bool graphs_enabled() const noexcept { return off_ == off_reason::none; }
+  /// Graphs are off for this key after a failure (fallback_scope::key).
+  [[nodiscard]] bool key_disabled(const Key& key) const {
+    const auto it = key_state_.find(key);
+    return it != key_state_.end() && (it->second & disabled_bit) != 0;
+  }
+  /// Turns graphs back on after failures (not against the kill switch or use_graphs = false).
+  /// Warnings already given are not repeated.
+  void reenable_graphs() noexcept {
+    if (off_ == off_reason::failure) off_ = off_reason::none;
+    for (auto& [k, state] : key_state_) state &= static_cast<std::uint8_t>(~disabled_bit);
+  }
+
+  /// Replaces the warning sink (empty: stderr).
+  void set_warning_sink(warning_sink sink) { warn_ = std::move(sink); }
+
+  [[nodiscard]] const bucket_policy& buckets() const noexcept { return buckets_; }
+  [[nodiscard]] pool_type& pool() noexcept { return pool_; }
+  [[nodiscard]] const pool_type& pool() const noexcept { return pool_; }
+  [[nodiscard]] pool_stats stats() const { return pool_.stats(); }
+  [[nodiscard]] const step_function& step() const noexcept { return step_; }
+
+  /// Captures the graphs of every bucket up front (largest first), keys from `make_key(bucket)`.
+  /// A failure is handled as in run(): warned, graphs off, and prewarm stops. Returns how many
+  /// graphs were captured.
+  template <class MakeKey>
+  std::size_t prewarm_buckets(stream_type s, MakeKey&& make_key) {
+    std::vector<Key> keys;
+    keys.reserve(buckets_.count());
+    for (const std::size_t b : buckets_.sizes()) keys.push_back(make_key(b));
+    return prewarm(keys, s);
+  }
+  /// Captures the given keys up front (largest first by key_size). See prewarm_buckets().
+  std::size_t prewarm(std::span<const Key> keys, stream_type s) {
+    if (off_ != off_reason::none) return 0;
+    std::size_t captured = 0;
+    // One at a time so that a failing key can be disabled and the others still captured.
+    std::vector<const Key*> order;
+    for (const Key& k : keys) order.push_back(&k);
+    std::stable_sort(order.begin(), order.end(),
+                     [](const Key* a, const Key* b) { return key_size{}(*a) > key_size{}(*b); });
+    if (pool_.capacity() != pool_options::unlimited && order.size() > pool_.capacity())
+      throw usage_error(fmt::format("replay::step_runner::prewarm: {} keys exceed the pool capacity "
+                                    "of {}", order.size(), pool_.capacity()));
+    for (const Key* k : order) {
+      if (off_ != off_reason::none) break;
+      if (key_disabled(*k)) continue;
+      try {
+        if (pool_.ensure(*k, s, step_)) ++captured;
+      } catch (const std::exception& e) {
+        if (pool_.last_failure() == pool_phase::warmup || pool_.last_failure() == pool_phase::none) throw;
+        report_failure(*k, e);
+      }
+    }
+    return captured;
+  }
+
+ private:
+  enum class off_reason : std::uint8_t { none, kill_switch, option, failure };
+  static constexpr std::uint8_t disabled_bit = 0x80;
+
+  step_path on_failure(const Key& key, stream_type s, batch_rows rows, const std::exception& e) {
+    const pool_phase phase = pool_.last_failure();
+    // The step failed when run eagerly (warm-up), or the failure came from outside the graph
+    // machinery: falling back would run the same failing code again. Propagate.
+    if (phase == pool_phase::warmup || phase == pool_phase::none) throw;
+    report_failure(key, e);
+    return eager(key, s, rows, step_path::eager_fallback);
+  }
+
+  // Warn (once per runner or key, per phase) and turn graphs off for the runner or the key.
+  void report_failure(const Key& key, const std::exception& e) {
+    pool_.backend().clear_error();
+    const pool_phase phase = pool_.last_failure();
+    const auto bit = static_cast<std::uint8_t>(1u << static_cast<unsigned>(phase));
+    bool first = false;
+    if (fallback_ == fallback_scope::runner) {
+      first = (warned_ & bit) == 0;
+      warned_ |= bit;
+      off_ = off_reason::failure;
+      pool_.clear();  // the graphs are no longer used; retired safely (deferred destroy)
+    } else {
+      std::uint8_t& state = key_state_[key];
+      first = (state & bit) == 0;
+      state = static_cast<std::uint8_t>(state | bit | disabled_bit);
+      pool_.evict(key);
+    }
+    if (first) {
+      const std::string msg = fmt::format(
+          "CUDA graph {} failed for key {}: {}; {} now run eagerly (the step was not lost)",
+          to_string(phase), describe_key(key), e.what(),
+          fallback_ == fallback_scope::runner ? "all steps of this runner" : "steps with this key");
+      if (warn_) warn_(msg); else stderr_warning_sink(msg);
+    }
+  }
+
+  step_function step_;
+  bucket_policy buckets_;
+  fallback_scope fallback_;
+  oversize_policy oversize_;
+  warning_sink warn_;
+  pool_type pool_;
+  off_reason off_ = off_reason::none;
+  std::uint8_t warned_ = 0;                          // phases already warned (runner scope)
+  std::unordered_map<Key, std::uint8_t, Hash> key_state_;  // per key: warned phases | disabled
+};
+
+/// The CUDA step runner.
+template <class Key, class Hash = key_hash<Key>>
+using step_runner = basic_step_runner<Key, cuda_graph_backend, Hash>;
+
+}  // namespace replay
