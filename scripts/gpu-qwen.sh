@@ -3,12 +3,13 @@
 #   source .deps/tools/env.sh && bash scripts/gpu-qwen.sh [stages...]
 # Stages (default: all): test (GPU test + host tests), memcheck (GPU test under compute-sanitizer),
 # parity (examples/qwen/parity.py against transformers), demo (staggered batch), bench (0.6B and 4B
-# shapes: batch-1 TPOT vs D2D bandwidth, batched throughput). Logs and JSON go to $OUT (or ./out):
+# shapes: batch-1 TPOT vs D2D bandwidth, batched throughput), nopdl (batch-1 bench without PDL),
+# longctx (batch-1 bench after a 2000-token prompt). Logs and JSON go to $OUT (or ./out):
 # qwen.log (everything), parity.json, bench_qwen3-0.6b.json, bench_qwen3-4b.json.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu-qwen}
-stages=${*:-test parity demo bench memcheck}
+stages=${*:-test parity demo bench nopdl longctx memcheck}
 log="$out/qwen.log"
 : >"$log"
 say() { echo "$@" | tee -a "$log"; }
@@ -41,6 +42,11 @@ for s in $stages; do
         --kv-mem-mb 4096 --json "$out/bench_qwen3-0.6b.json"
       run "$q" --preset qwen3-4b --bench --random-prompt 16 --gen 128 --bench-batches 1,8,32,64 \
         --kv-mem-mb 8192 --json "$out/bench_qwen3-4b.json" ;;
+    nopdl)  # the same batch-1 bench with programmatic dependent launch off, for comparison
+      run "$q" --preset qwen3-0.6b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
+      run "$q" --preset qwen3-4b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 8192 ;;
+    longctx)  # attention cost grows with the context: batch-1 TPOT after a 2000-token prompt
+      run "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 --bench-batches 1 --kv-mem-mb 4096 ;;
     *) say "unknown stage $s" ;;
   esac
 done

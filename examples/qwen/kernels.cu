@@ -54,6 +54,23 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
   return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
 }
 
+/// Programmatic dependent launch (sm_90): let the next kernel in the stream/graph launch now (its
+/// blocks run their independent prologue, e.g. weight prefetch, while this kernel finishes) ...
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+/// ... and wait until every earlier kernel has completed and its writes are visible. Every kernel
+/// calls this before touching memory that an earlier kernel writes or reads (no-op without PDL).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -121,6 +138,8 @@ __global__ void rope_table_kernel(float2* rope, int max_pos, int half, int head_
 
 __global__ void embed_kernel(const bf16* __restrict__ embed, int vocab, int hidden, RowMeta meta, float* residual,
                              unsigned long long* keys) {
+  pdl_trigger();
+  pdl_wait();
   const int r = blockIdx.x;
   int tok = meta.token[r];
   tok = tok < 0 ? 0 : (tok >= vocab ? vocab - 1 : tok);  // inputs are validated on the host; stay in bounds
@@ -150,6 +169,16 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
   __shared__ float red[kGemvWarps][B];
   __shared__ unsigned long long red_key[kGemvWarps][B];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  pdl_trigger();
+  {  // Weights do not depend on earlier kernels: start streaming this warp's first row into L2.
+    const int n0 = blockIdx.x * kGemvWarps + warp;
+    if (n0 < N) {
+      for (int k = lane * 64; k < K; k += 32 * 64) prefetch_l2(W + std::size_t(n0) * K + k);
+      if (MODE == gemv_out::silu_mul)
+        for (int k = lane * 64; k < K; k += 32 * 64) prefetch_l2(W + std::size_t(n0 + N) * K + k);
+    }
+  }
+  pdl_wait();
 
   if constexpr (NORM) {
     float ss[B];
@@ -285,6 +314,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
 }
 
 __global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden, float eps, bf16* out) {
+  pdl_trigger();
+  pdl_wait();
   const int r = blockIdx.x;
   const float* x = residual + std::size_t(r) * hidden;
   __shared__ float red[32];
@@ -301,6 +332,8 @@ __global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden,
 }
 
 __global__ void silu_mul_kernel(const float* gu, int N, int rows, bf16* act) {
+  pdl_trigger();
+  pdl_wait();
   const std::size_t total = std::size_t(rows) * N;
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < total;
        i += std::size_t(gridDim.x) * blockDim.x) {
@@ -311,6 +344,8 @@ __global__ void silu_mul_kernel(const float* gu, int N, int rows, bf16* act) {
 }
 
 __global__ void argmax_kernel(const float* logits, int V, unsigned long long* keys) {
+  pdl_trigger();
+  pdl_wait();
   const int r = blockIdx.x;
   const float* x = logits + std::size_t(r) * V;
   unsigned long long best = 0;
@@ -363,6 +398,8 @@ __device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, i
 template <int D>
 __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* k_norm, float eps,
                                 const float2* rope, RowMeta meta, KvPool kv, int layer) {
+  pdl_trigger();
+  pdl_wait();
   const int r = blockIdx.x, h = blockIdx.y;
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
   write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, meta, r, kv, layer, h, threadIdx.x & 31);
@@ -384,6 +421,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   __shared__ float red_m[kAttnWarps][G], red_l[kAttnWarps][G];
   __shared__ float red_acc[kAttnWarps][G][D];
 
+  pdl_trigger();
+  pdl_wait();
   const int kvh = blockIdx.x, r = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
@@ -423,46 +462,55 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
   const bf16* vbase = kbase + kv.kv_stride();
 
-  for (int base = warp * 4; base < seq_len; base += kAttnWarps * 4) {
-    const int t = base + grp;
-    const bool valid = t < seq_len;
-    uint4 kr[NV], vr[NV];
-    if (valid) {
-      const int blk = table[t / kv.block_size];
-      const std::size_t o = ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+  constexpr int T = 2;  // tokens per lane group per iteration: their K/V loads are in flight together
+  for (int base = warp * 4; base < seq_len; base += kAttnWarps * 4 * T) {
+    uint4 kr[T][NV], vr[T][NV];
+    bool valid[T];
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        kr[i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
-        vr[i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+    for (int u = 0; u < T; ++u) {
+      const int t = base + u * kAttnWarps * 4 + grp;
+      valid[u] = t < seq_len;
+      if (valid[u]) {
+        const int blk = table[t / kv.block_size];
+        const std::size_t o =
+            ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) kr[u][i] = vr[u][i] = make_uint4(0, 0, 0, 0);
       }
-    } else {
-#pragma unroll
-      for (int i = 0; i < NV; ++i) kr[i] = vr[i] = make_uint4(0, 0, 0, 0);
     }
-    float kf[DPL], vf[DPL];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) unpack8(kr[i], kf + 8 * i), unpack8(vr[i], vf + 8 * i);
-    float s[G];
+    for (int u = 0; u < T; ++u) {
+      float kf[DPL], vf[DPL];
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-      float d = 0.f;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
-      d += __shfl_xor_sync(0xffffffffu, d, 1);
-      d += __shfl_xor_sync(0xffffffffu, d, 2);
-      d += __shfl_xor_sync(0xffffffffu, d, 4);
-      s[h] = d;
-    }
-    if (valid) {
+      for (int i = 0; i < NV; ++i) unpack8(kr[u][i], kf + 8 * i), unpack8(vr[u][i], vf + 8 * i);
+      float s[G];
 #pragma unroll
       for (int h = 0; h < G; ++h) {
-        const float mn = fmaxf(m[h], s[h]);
-        const float corr = __expf(m[h] - mn);  // m = -inf -> 0
-        const float p = __expf(s[h] - mn);
-        l[h] = l[h] * corr + p;
+        float d = 0.f;
 #pragma unroll
-        for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j] * corr);
-        m[h] = mn;
+        for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        d += __shfl_xor_sync(0xffffffffu, d, 4);
+        s[h] = d;
+      }
+      if (valid[u]) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float mn = fmaxf(m[h], s[h]);
+          const float corr = __expf(m[h] - mn);  // m = -inf -> 0
+          const float p = __expf(s[h] - mn);
+          l[h] = l[h] * corr + p;
+#pragma unroll
+          for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j] * corr);
+          m[h] = mn;
+        }
       }
     }
   }
@@ -514,6 +562,27 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 // Launch helpers
 // ------------------------------------------------------------------------------------------------
 
+bool g_pdl = true;
+
+/// Launches `kernel` with the programmatic-stream-serialization attribute (PDL) when enabled: in a
+/// stream or a captured graph the kernel may start while its predecessor finishes; the kernels'
+/// pdl_wait() keeps every data dependency.
+template <class... KArgs, class... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s, const char* name,
+            Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_pdl ? 1 : 0;
+  REPLAY_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "launching {}", name);
+}
+
 int fill_grid(std::size_t n) {
   const std::size_t blocks = (n + 255) / 256;
   return static_cast<int>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
@@ -537,8 +606,7 @@ void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y
   int grid = (N + rows_per_block - 1) / rows_per_block;
   const int cap = it->second * num_sms;
   if (grid > cap) grid = cap;
-  kernel<<<grid, kGemvThreads, smem, s>>>(W, N, K, in, y_f32, y_bf16, ldy, keys);
-  REPLAY_CHECK_LAUNCH("qwen::gemv_kernel");
+  launch(kernel, grid, kGemvThreads, smem, s, "qwen::gemv_kernel", W, N, K, in, y_f32, y_bf16, ldy, keys);
 }
 
 template <int B>
@@ -578,13 +646,12 @@ void attention_d(const float* qkv, int q_heads, int kv_heads, const bf16* q_norm
   const dim3 grid(kv_heads, rows);
   const int wk = write_kv ? 1 : 0;
   switch (G) {
-    case 1: attention_kernel<D, 1><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
-    case 2: attention_kernel<D, 2><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
-    case 4: attention_kernel<D, 4><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
-    case 8: attention_kernel<D, 8><<<grid, kAttnWarps * 32, 0, s>>>(qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 1: launch(attention_kernel<D, 1>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 2: launch(attention_kernel<D, 2>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 4: launch(attention_kernel<D, 4>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 8: launch(attention_kernel<D, 8>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
     default: throw replay::usage_error("qwen::launch_attention: query heads per kv head must be 1, 2, 4 or 8");
   }
-  REPLAY_CHECK_LAUNCH("qwen::attention_kernel");
 }
 
 }  // namespace
@@ -592,6 +659,9 @@ void attention_d(const float* qkv, int q_heads, int kv_heads, const bf16* q_norm
 // ------------------------------------------------------------------------------------------------
 // Launchers
 // ------------------------------------------------------------------------------------------------
+
+void set_pdl(bool on) { g_pdl = on; }
+bool pdl_enabled() { return g_pdl; }
 
 void init_kernel_attributes() {
   init_gemv_attrs<1>();
@@ -620,8 +690,7 @@ void launch_rope_table(float2* rope, int max_pos, int head_dim, double theta, re
 void launch_embed(const bf16* embed, int vocab, int hidden, RowMeta meta, int rows, float* residual,
                   unsigned long long* keys, replay::stream_ref s) {
   if (hidden % 8 != 0) throw replay::usage_error("qwen::launch_embed: hidden must be a multiple of 8");
-  embed_kernel<<<rows, 128, 0, s.get()>>>(embed, vocab, hidden, meta, residual, keys);
-  REPLAY_CHECK_LAUNCH("qwen::embed_kernel");
+  launch(embed_kernel, rows, 128, 0, s.get(), "qwen::embed_kernel", embed, vocab, hidden, meta, residual, keys);
 }
 
 void launch_gemv(const bf16* W, int N, int K, int rows, GemvIn in, gemv_out mode, float* y_f32, bf16* y_bf16,
@@ -640,18 +709,15 @@ void launch_gemv(const bf16* W, int N, int K, int rows, GemvIn in, gemv_out mode
 
 void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps, int rows, bf16* out,
                     replay::stream_ref s) {
-  rmsnorm_kernel<<<rows, 256, 0, s.get()>>>(residual, w, hidden, eps, out);
-  REPLAY_CHECK_LAUNCH("qwen::rmsnorm_kernel");
+  launch(rmsnorm_kernel, rows, 256, 0, s.get(), "qwen::rmsnorm_kernel", residual, w, hidden, eps, out);
 }
 
 void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream_ref s) {
-  silu_mul_kernel<<<fill_grid(std::size_t(rows) * N), 256, 0, s.get()>>>(gu, N, rows, act);
-  REPLAY_CHECK_LAUNCH("qwen::silu_mul_kernel");
+  launch(silu_mul_kernel, fill_grid(std::size_t(rows) * N), 256, 0, s.get(), "qwen::silu_mul_kernel", gu, N, rows, act);
 }
 
 void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s) {
-  argmax_kernel<<<rows, 1024, 0, s.get()>>>(logits, V, keys);
-  REPLAY_CHECK_LAUNCH("qwen::argmax_kernel");
+  launch(argmax_kernel, rows, 1024, 0, s.get(), "qwen::argmax_kernel", logits, V, keys);
 }
 
 void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float eps, const float2* rope, RowMeta meta,
@@ -659,12 +725,11 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
   const int q_dim = q_heads * kv.head_dim, kv_dim = kv.kv_heads * kv.head_dim;
   const dim3 grid(rows, kv.kv_heads);
   if (kv.head_dim == 128)
-    kv_write_kernel<128><<<grid, 32, 0, s.get()>>>(qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
+    launch(kv_write_kernel<128>, grid, 32, 0, s.get(), "qwen::kv_write_kernel", qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
   else if (kv.head_dim == 64)
-    kv_write_kernel<64><<<grid, 32, 0, s.get()>>>(qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
+    launch(kv_write_kernel<64>, grid, 32, 0, s.get(), "qwen::kv_write_kernel", qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
   else
     throw replay::usage_error("qwen::launch_kv_write: head_dim must be 64 or 128");
-  REPLAY_CHECK_LAUNCH("qwen::kv_write_kernel");
 }
 
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,

@@ -60,6 +60,12 @@ inline constexpr int kGemvMaxRows = 4;
 
 void init_kernel_attributes();
 
+/// Programmatic dependent launch for every kernel of the decode/prefill path (default on): a kernel
+/// may launch while its predecessor finishes and prefetch its weights; data dependencies are kept
+/// by griddepcontrol.wait in every kernel. Process-wide; set before capturing graphs.
+void set_pdl(bool on);
+bool pdl_enabled();
+
 /// Deterministic uniform(-scale, scale) fill from (seed, index): the random initialisation.
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s);
 void launch_fill_const(bf16* p, std::size_t n, float value, replay::stream_ref s);

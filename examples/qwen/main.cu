@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   int random_prompt_n = 0, gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1;
   int bench_steps = 0;
   double kv_mb = 1024;
-  bool bench = false, demo = false, no_fallback = false, quiet = false;
+  bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false;
   std::string bench_batches_s = "1,8,32,64";
   std::uint64_t seed = 1234;
   app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny (random weights)");
@@ -205,6 +205,7 @@ int main(int argc, char** argv) {
                  "parity mode: prefill the first N prompt tokens, then feed the rest one per step");
   app.add_option("--dump-logits", dump_logits, "parity mode: write the logits of every step (float32, steps x vocab)");
   app.add_option("--seed", seed, "seed of random weights and prompts");
+  app.add_flag("--no-pdl", no_pdl, "launch kernels without programmatic dependent launch (for comparison)");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 
@@ -276,6 +277,7 @@ int main(int argc, char** argv) {
       return 3;
     }
     const std::string dev = device_name();
+    set_pdl(!no_pdl);
     replay_examples::stopwatch load_sw;
     Engine eng(cfg, opt, st ? &*st : nullptr);
     const double load_ms = load_sw.elapsed_ms();
@@ -284,6 +286,7 @@ int main(int argc, char** argv) {
     out["model"] = cfg.name;
     out["weights"] = model_dir.empty() ? "random" : model_dir;
     out["load_ms"] = load_ms;
+    out["pdl"] = pdl_enabled();
     if (!quiet)
       fmt::print("device: {}\nmodel: {} ({} layers, hidden {}, {} q / {} kv heads, vocab {}), weights {}, {:.1f} MiB; "
                  "KV pool {} blocks x {} tokens = {:.1f} MiB\n",
@@ -369,7 +372,8 @@ int main(int argc, char** argv) {
       const int steps = bench_steps > 0 ? bench_steps : gen;
       const double bw = d2d_bandwidth(eng.stream());
       const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
-      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps\n", cfg.name, dev, prompt.size(), steps);
+      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps, PDL {}\n", cfg.name, dev, prompt.size(), steps,
+                 pdl_enabled() ? "on" : "off");
       fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
                  mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
       replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "eff. GB/s", "% of D2D"});
@@ -411,19 +415,20 @@ int main(int argc, char** argv) {
       out["bench"]["uniform_padding_waste"] = uniform_padding_waste(eng, eng.buckets().back());
     }
 
-    const auto& gs = eng.graph_stats();
+    const auto gs = eng.graph_stats();
     out["memory"] = {{"weights_bytes", eng.weight_bytes()}, {"kv_pool_bytes", eng.kv_pool_bytes()},
                      {"buffers_bytes", eng.buffer_bytes()}, {"graphs_bytes", gs.graph_bytes}};
     json kpb = json::object();
-    for (const auto& [b, k] : gs.kernels_per_bucket) kpb[std::to_string(b)] = k;
+    for (const auto& [b, k] : gs.nodes_per_bucket) kpb[std::to_string(b)] = k;
+    out["pool"] = json::parse(eng.pool_stats().to_json());
     out["graphs"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager_steps", gs.eager_steps},
-                     {"fallback_steps", gs.fallback_steps}, {"kernels_per_bucket", kpb},
+                     {"fallback_steps", gs.fallback_steps}, {"nodes_per_bucket", kpb},
                      {"padded_rows", gs.padded_rows}, {"real_rows", gs.real_rows}};
     if (!quiet) {
       std::string kp;
-      for (const auto& [b, k] : gs.kernels_per_bucket) kp += fmt::format(" {}:{}", b, k);
+      for (const auto& [b, k] : gs.nodes_per_bucket) kp += fmt::format(" {}:{}", b, k);
       fmt::print("memory: weights {:.1f} MiB, KV pool {:.1f} MiB, buffers {:.1f} MiB, graphs {:.2f} MiB ({} captured; "
-                 "kernel nodes per bucket{})\n",
+                 "nodes per bucket{})\n",
                  mib(eng.weight_bytes()), mib(eng.kv_pool_bytes()), mib(eng.buffer_bytes()), mib(gs.graph_bytes),
                  gs.captures, kp);
     }

@@ -3,6 +3,7 @@
 
 #include <replay/capture.hpp>
 #include <replay/graph.hpp>
+#include <replay/runner.hpp>
 
 #include <cublas_v2.h>
 #include <fmt/format.h>
@@ -78,8 +79,9 @@ struct Engine::Impl {
   replay::pinned_buffer<unsigned long long> keys_host;  // [rows]
 
   std::vector<int> buckets;
-  std::map<int, replay::graph_exec> graphs;
-  GraphStats stats;
+  /// The bucketed graph pool with eager fallback: one graph per bucket, captured on first use.
+  std::optional<replay::step_runner<replay::graph_key>> runner;
+  long long eager_steps = 0;
 
   ~Impl() {
     if (cublas != nullptr) (void)cublasDestroy(cublas);
@@ -138,9 +140,13 @@ struct Engine::Impl {
     keys_host = replay::pinned_buffer<unsigned long long>(R);
 
     const int top = std::min(opt.max_bucket, opt.max_batch);
-    for (int b = 1; b < top; b *= 2) buckets.push_back(b);
-    buckets.push_back(top);
-    buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+    replay::runner_options ro;
+    ro.buckets = replay::bucket_policy::powers_of_two(static_cast<std::size_t>(top));
+    ro.oversize = opt.eager_fallback ? replay::oversize_policy::eager : replay::oversize_policy::throw_error;
+    ro.pool.warmup = 1;  // one eager run before capture (same inputs: rewrites the same K/V values)
+    for (std::size_t b : ro.buckets.sizes()) buckets.push_back(static_cast<int>(b));
+    runner.emplace([this](replay::stream_ref s, const replay::graph_key& k) { decode_kernels(int(k.bucket), s); },
+                   std::move(ro));
     stream.synchronize();
   }
 
@@ -308,22 +314,6 @@ struct Engine::Impl {
     }
   }
 
-  void capture_bucket(int bucket) {
-    std::size_t free0 = 0, free1 = 0, total = 0;
-    // Warm-up: one eager run (same inputs, so the same K/V values are written again by the replay).
-    decode_kernels(bucket, stream);
-    stream.synchronize();
-    REPLAY_CHECK(cudaMemGetInfo(&free0, &total));
-    replay::graph g = replay::capture(stream, [&](replay::stream_ref cs) { decode_kernels(bucket, cs); });
-    stats.kernels_per_bucket[bucket] = g.kernel_node_count();
-    replay::graph_exec exec = g.instantiate({.upload_stream = stream.get()});
-    stream.synchronize();
-    REPLAY_CHECK(cudaMemGetInfo(&free1, &total));
-    stats.graph_bytes += free0 > free1 ? free0 - free1 : 0;
-    ++stats.captures;
-    graphs.emplace(bucket, std::move(exec));
-  }
-
   int bucket_for(int n) const {
     for (int b : buckets)
       if (b >= n) return b;
@@ -361,7 +351,22 @@ PagedKvBook& Engine::kv() { return *impl_->book; }
 replay::stream_ref Engine::stream() const { return impl_->stream; }
 const std::vector<int>& Engine::buckets() const { return impl_->buckets; }
 int Engine::bucket_for(int rows) const { return impl_->bucket_for(rows); }
-const GraphStats& Engine::graph_stats() const { return impl_->stats; }
+GraphStats Engine::graph_stats() const {
+  const auto& m = *impl_;
+  const replay::pool_stats ps = m.runner->stats();
+  GraphStats g;
+  g.captures = static_cast<int>(ps.captures);
+  g.replays = static_cast<long long>(ps.hits + ps.misses);
+  g.eager_steps = m.eager_steps;
+  g.fallback_steps = static_cast<long long>(ps.eager_oversize + ps.eager_fallbacks);
+  g.real_rows = static_cast<long long>(ps.real_rows);
+  g.padded_rows = static_cast<long long>(ps.padded_rows);
+  g.graph_bytes = static_cast<std::size_t>(std::max<std::int64_t>(0, ps.resident_device_bytes));
+  for (const auto& k : ps.keys)
+    if (k.resident && k.key.rfind("bucket ", 0) == 0) g.nodes_per_bucket[std::atoi(k.key.c_str() + 7)] = k.last_capture.nodes;
+  return g;
+}
+replay::pool_stats Engine::pool_stats() const { return impl_->runner->stats(); }
 std::size_t Engine::weight_bytes() const { return impl_->weights.size_bytes(); }
 std::size_t Engine::kv_pool_bytes() const { return impl_->kv_pool.size_bytes(); }
 std::size_t Engine::buffer_bytes() const {
@@ -424,23 +429,15 @@ void Engine::decode(std::span<const DecodeRow> rows, bool use_graph, std::span<i
     for (int j = 0; j < i; ++j)
       if (rows[j].slot == rows[i].slot) throw input_error(fmt::format("decode: slot {} appears twice", rows[i].slot));
   }
-  const int bucket = m.bucket_for(n);
-  m.stage_and_push(rows, bucket);
-  const bool fallback = use_graph && bucket > m.buckets.back();
-  if (use_graph && !fallback) {
-    auto it = m.graphs.find(bucket);
-    if (it == m.graphs.end()) {
-      m.capture_bucket(bucket);
-      it = m.graphs.find(bucket);
-    }
-    it->second.launch(m.stream);
-    ++m.stats.replays;
+  const int bucket = m.bucket_for(n);  // checks the oversize policy before any GPU work
+  m.stage_and_push(rows, bucket);       // padded rows: scratch slot, token 0, position 0
+  auto key = [](std::size_t b) { return replay::graph_key{.bucket = static_cast<std::uint32_t>(b)}; };
+  if (use_graph) {
+    (void)m.runner->run_batch(static_cast<std::size_t>(n), m.stream, key);
   } else {
-    m.decode_kernels(bucket, m.stream);
-    ++(fallback ? m.stats.fallback_steps : m.stats.eager_steps);
+    m.decode_kernels(bucket, m.stream);  // the same launches, issued directly
+    ++m.eager_steps;
   }
-  m.stats.real_rows += n;
-  m.stats.padded_rows += bucket;
   REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys.data(), std::size_t(n) * sizeof(unsigned long long),
                                cudaMemcpyDeviceToHost, m.stream.get()));
   if (!logits.empty())
@@ -452,14 +449,11 @@ void Engine::decode(std::span<const DecodeRow> rows, bool use_graph, std::span<i
 
 void Engine::prewarm_graphs(int max_rows) {
   auto& m = *impl_;
-  std::vector<int> bs;
+  std::vector<replay::graph_key> keys;
   for (int b : m.buckets)
-    if (b <= max_rows && !m.graphs.count(b)) bs.push_back(b);
-  std::sort(bs.rbegin(), bs.rend());
-  for (int b : bs) {
-    m.stage_and_push({}, b);  // all rows padding: scratch slot, token 0, position 0
-    m.capture_bucket(b);
-  }
+    if (b <= max_rows) keys.push_back({.bucket = static_cast<std::uint32_t>(b)});
+  m.stage_and_push({}, max_rows);  // warm-up runs read metadata: all rows padding (scratch slot)
+  (void)m.runner->prewarm(keys, m.stream);
 }
 
 }  // namespace qwen

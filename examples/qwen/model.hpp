@@ -23,6 +23,7 @@
 #include <common/safetensors.hpp>
 #include <replay/buffer.hpp>
 #include <replay/graph_exec.hpp>
+#include <replay/graph_pool.hpp>
 #include <replay/step_meta.hpp>
 #include <replay/stream.hpp>
 
@@ -54,16 +55,16 @@ struct DecodeRow {
   int pos;    ///< position of `token`; the KV for positions [0, pos] must be backed by blocks
 };
 
-/// Counters of the graph path.
+/// Counters of the graph path (a summary of the replay::step_runner's pool statistics).
 struct GraphStats {
   int captures = 0;                 ///< graphs captured (one per bucket used)
-  long long replays = 0;            ///< graph launches
-  long long eager_steps = 0;        ///< steps run eagerly (asked for)
-  long long fallback_steps = 0;     ///< graph steps run eagerly because the batch exceeded the largest bucket
-  long long real_rows = 0;          ///< rows of real sequences decoded
-  long long padded_rows = 0;        ///< rows run including padding
-  std::size_t graph_bytes = 0;      ///< device memory taken by instantiated graphs (measured)
-  std::map<int, std::size_t> kernels_per_bucket;  ///< kernel nodes of each captured graph
+  long long replays = 0;            ///< graph launches (hits + first replays after capture)
+  long long eager_steps = 0;        ///< steps run eagerly because eager mode was asked for
+  long long fallback_steps = 0;     ///< graph-mode steps run eagerly (oversize batch or graph failure)
+  long long real_rows = 0;          ///< rows of real sequences decoded on the graph path
+  long long padded_rows = 0;        ///< rows run on the graph path including padding
+  std::size_t graph_bytes = 0;      ///< device memory taken by resident graphs (measured at capture)
+  std::map<int, std::size_t> nodes_per_bucket;  ///< nodes of each resident graph
 };
 
 /// The decoder: weights, buffers, paged KV pool, step metadata and the graphs, all owned.
@@ -101,7 +102,9 @@ class Engine {
   /// Captures (and uploads) the graph of every bucket up to `max_rows` now, largest first.
   void prewarm_graphs(int max_rows);
 
-  [[nodiscard]] const GraphStats& graph_stats() const;
+  [[nodiscard]] GraphStats graph_stats() const;
+  /// The full statistics of the bucketed graph pool (per key: hits, captures, capture time, memory).
+  [[nodiscard]] replay::pool_stats pool_stats() const;
   [[nodiscard]] std::size_t weight_bytes() const;   ///< device bytes of all weights
   [[nodiscard]] std::size_t kv_pool_bytes() const;  ///< device bytes of the KV pool
   [[nodiscard]] std::size_t buffer_bytes() const;   ///< activations, logits, metadata, workspace
