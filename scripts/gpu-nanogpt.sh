@@ -48,7 +48,10 @@ tail -3 "$L/default_run.log" >> "$S"
 stage bench 180 "$NG" --bench
 stage bench_json 180 "$NG" --bench --json
 stage bench_nopdl 180 "$NG" --bench --no-pdl
-grep -E "^Back to back|^medium_generation" "$L/bench.log" "$L/bench_nopdl.log" >> "$S"
+stage bench_meta_in_graph 180 "$NG" --bench --meta-in-graph
+grep -E "^Back to back|^medium_generation" "$L/bench.log" "$L/bench_nopdl.log" "$L/bench_meta_in_graph.log" >> "$S"
+# Per-kernel GPU time of the decode kernels in isolation (ncu serialises kernels).
+stage ncu 150 ncu --metrics gpu__time_duration.sum --launch-skip 100 --launch-count 40 "$NG" -n 40 --mode eager
 if [ -f "$W" ]; then
   stage parity 180 python3 examples/nanogpt/parity.py --exe "$NG" --weights "$W" --json "$L/parity.json"
   tail -3 "$L/parity.log" >> "$S"

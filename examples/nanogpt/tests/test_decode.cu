@@ -161,12 +161,16 @@ TEST_CASE("eager and graph produce identical tokens for several prompts, lengths
       {"KING", 60, {1.0f, 0, true}},
       {"a", 1, {1.0f, 9, false}},
   };
+  const ModelOptions variants[] = {{.pdl = true, .meta_in_graph = false},
+                                   {.pdl = false, .meta_in_graph = false},
+                                   {.pdl = true, .meta_in_graph = true}};
   for (const auto& [wname, w] : weight_sets) {
-    for (bool pdl : {true, false}) {
-      Model model(w, {.pdl = pdl});
+    for (const ModelOptions& opt : variants) {
+      Model model(w, opt);
       for (const auto& c : cases) {
         CAPTURE(wname);
-        CAPTURE(pdl);
+        CAPTURE(opt.pdl);
+        CAPTURE(opt.meta_in_graph);
         CAPTURE(c.prompt);
         CAPTURE(c.tokens);
         const auto prompt = encode(c.prompt);
@@ -204,20 +208,23 @@ TEST_CASE("different seeds sample different text; greedy ignores the seed") {
 }
 
 TEST_CASE("the captured step is 10 kernel nodes and one capture serves every position") {
-  Model model(spicy_weights(4));
+  for (bool in_graph : {false, true}) {
+  CAPTURE(in_graph);
+  Model model(spicy_weights(4), {.pdl = true, .meta_in_graph = in_graph});
   CHECK_FALSE(model.has_graph());
   const auto prompt = encode("HAMLET:");
   (void)model.prefill(prompt, {});
   model.capture_decode_graph();
   CHECK(model.has_graph());
   CHECK(model.graph_kernel_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
-  CHECK(model.graph_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
+  CHECK(model.graph_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step + (in_graph ? 1 : 0)));
   // Reuse the same graph for two different prompts and compare with eager.
   for (const char* text : {"O", "Good morrow, cousin."}) {
     const auto p = encode(text);
     const auto e = generate(model, p, 30, Mode::eager, {1.0f, 3, false});
     const auto g = generate(model, p, 30, Mode::graph, {1.0f, 3, false}, /*fresh_capture=*/false);
     CHECK(e.tokens == g.tokens);
+  }
   }
 }
 
