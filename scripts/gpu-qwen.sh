@@ -4,7 +4,7 @@
 # Stages (default: all): test (GPU test + host tests), memcheck (GPU test under compute-sanitizer),
 # parity (examples/qwen/parity.py against transformers), demo (staggered batch), bench (0.6B and 4B
 # shapes: batch-1 TPOT vs D2D bandwidth, batched throughput), nopdl (batch-1 bench without PDL),
-# longctx (batch-1 bench after a 2000-token prompt). Logs and JSON go to $OUT (or ./out):
+# longctx (batch-1 bench after a 2000-token prompt), bench1 (batch-1 bench only). Logs and JSON go to $OUT (or ./out):
 # qwen.log (everything), parity.json, bench_qwen3-0.6b.json, bench_qwen3-4b.json.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -42,6 +42,9 @@ for s in $stages; do
         --kv-mem-mb 4096 --json "$out/bench_qwen3-0.6b.json"
       run "$q" --preset qwen3-4b --bench --random-prompt 16 --gen 128 --bench-batches 1,8,32,64 \
         --kv-mem-mb 8192 --json "$out/bench_qwen3-4b.json" ;;
+    bench1)  # batch-1 only (quick re-measure after a kernel change)
+      run "$q" --preset qwen3-0.6b --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
+      run "$q" --preset qwen3-4b --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 8192 ;;
     nopdl)  # the same batch-1 bench with programmatic dependent launch off, for comparison
       run "$q" --preset qwen3-0.6b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
       run "$q" --preset qwen3-4b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 8192 ;;
