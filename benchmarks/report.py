@@ -63,6 +63,26 @@ class Result:
         v = self.entry.get(key, default)
         return v if isinstance(v, (int, float)) else default
 
+    cv_entry: dict = {}
+
+    def noisy(self, key="real_time"):
+        """True when the figure varied by more than NOISY_CV across repetitions."""
+        v = self.cv_entry.get(key)
+        return isinstance(v, (int, float)) and v > NOISY_CV
+
+
+NOISY_CV = 0.10  # coefficient of variation above which a figure is marked with *
+
+
+def mark(r, key, digits=2, scale=1.0):
+    """A counter of a result, formatted, with * when it was noisy across repetitions."""
+    if r is None:
+        return "–"
+    v = r.time_us if key == "real_time" else r.counter(key)
+    if v is None:
+        return "–"
+    return fmt(v * scale, digits) + ("*" if r.noisy(key) else "")
+
 
 def load(paths):
     """Returns (context of the first file, {program: {run_name: Result}}, errors)."""
@@ -87,6 +107,8 @@ def load(paths):
             if med:
                 reps = med[0].get("repetitions", 1)
                 results[run_name] = Result(run_name, med[0], reps, "median")
+                cv = [e for e in entries if e.get("run_type") == "aggregate" and e.get("aggregate_name") == "cv"]
+                results[run_name].cv_entry = cv[0] if cv else {}
                 continue
             its = [e for e in entries if e.get("run_type", "iteration") == "iteration"]
             if not its:
@@ -155,6 +177,9 @@ def launch_sections(res):
         r = find(res, "launch", mode, sync, N=n)
         return r.counter("us_per_kernel") if r else None
 
+    def per_kernel_cell(mode, sync, n):
+        return mark(find(res, "launch", mode, sync, N=n), "us_per_kernel", 3)
+
     for sync, title, blurb in (
         ("sync", "Per-kernel cost, one host synchronisation per step",
          "Wall time of one step (issue the N-kernel chain, then `cudaStreamSynchronize`) divided by N: "
@@ -166,7 +191,7 @@ def launch_sections(res):
         rows = []
         for n in sizes:
             e, g = per_kernel("eager", sync, n), per_kernel("graph", sync, n)
-            row = [n] + [fmt(per_kernel(m, sync, n), 3) for m in modes]
+            row = [n] + [per_kernel_cell(m, sync, n) for m in modes]
             row.append(f"{e / g:.1f}×" if e and g else "–")
             rows.append(row)
         md.append(f"### {title}\n\n{blurb} µs per kernel; speedup = eager / graph.\n\n")
@@ -180,9 +205,9 @@ def launch_sections(res):
         graw = find(res, "launch", "graph_raw", "sync", N=n)
         gm = find(res, "launch", "graph_meta", "sync", N=n)
         p = find(res, "launch", "pool", "sync", N=n)
-        rows.append([n, fmt(e and e.counter("host_us_per_launch"), 3), fmt(e and e.counter("host_us_per_step"), 1),
-                     fmt(g and g.counter("host_us_per_step"), 3), fmt(graw and graw.counter("host_us_per_step"), 3),
-                     fmt(gm and gm.counter("host_us_per_step"), 3), fmt(p and p.counter("host_us_per_step"), 3)])
+        rows.append([n, mark(e, "host_us_per_launch", 3), mark(e, "host_us_per_step", 1),
+                     mark(g, "host_us_per_step", 3), mark(graw, "host_us_per_step", 3),
+                     mark(gm, "host_us_per_step", 3), mark(p, "host_us_per_step", 3)])
     md.append("### Host cost of launching\n\nHost time spent issuing one step (before the synchronisation), "
               "µs. Eager: per kernel launch and per step; graph: one launch of the whole chain.\n\n")
     md.append(table(["N", "eager / launch", "eager / step", "graph_exec::launch", "raw cudaGraphLaunch",
@@ -193,7 +218,7 @@ def launch_sections(res):
     for n in sizes:
         ge, gg = find(res, "gpu", "eager", N=n), find(res, "gpu", "graph", N=n)
         te = ge and ge.counter("gate_timeouts")
-        rows.append([n, fmt(ge and ge.counter("gpu_us_per_kernel"), 3), fmt(gg and gg.counter("gpu_us_per_kernel"), 3),
+        rows.append([n, mark(ge, "gpu_us_per_kernel", 3), mark(gg, "gpu_us_per_kernel", 3),
                      f"{int(te)}" if te is not None else "–"])
     if any(r[1] != "–" for r in rows):
         md.append("### GPU-side cost per kernel\n\nCUDA-event time of the chain / N, with the stream held by a "
@@ -207,7 +232,7 @@ def launch_sections(res):
     rows = []
     for n in sizes:
         c, i, u = find(res, "capture", N=n), find(res, "instantiate", N=n), find(res, "exec_update", N=n)
-        rows.append([n, fmt(c and c.time_us, 1), fmt(i and i.time_us, 1), fmt(u and u.time_us, 1)])
+        rows.append([n, mark(c, "real_time", 1), mark(i, "real_time", 1), mark(u, "real_time", 1)])
     if any(r[1] != "–" for r in rows):
         md.append("### Graph setup cost\n\nHost time, µs: stream capture of the chain, `cudaGraphInstantiate`, and "
                   "`cudaGraphExecUpdate` (`graph_exec::update` from a new capture of the same topology whose "
@@ -220,7 +245,7 @@ def launch_sections(res):
                     key=lambda r: (r.path, r.args.get("elems", 0))):
         what = {"push": "`step_meta<T>` staging + push", "push_array": "`step_meta_array<int32>` staging + push",
                 "raw_memcpy_async": "raw `cudaMemcpyAsync` (floor)"}.get(r.path[1], r.path[1])
-        rows.append([what, int(r.counter("bytes", 0)), fmt(r.time_us, 3)])
+        rows.append([what, int(r.counter("bytes", 0)), mark(r, "real_time", 3)])
     if rows:
         md.append("### Step metadata push\n\nHost cost of writing the per-step values into pinned staging and "
                   "issuing the host-to-device copy (stream idle before each push, as after a synchronised "
@@ -261,13 +286,16 @@ def decode_section(res):
         by = {(m, s): r for _, m, s, _, r in nano}
         for (mode, sync), r in sorted(by.items(), key=lambda kv: (kv[0][1] != "sync", kv[0][0] != "eager")):
             eager = by.get(("eager", sync))
-            t.append([mode, "per step + sync (TPOT)" if sync == "sync" else "back to back", fmt(r.time_us, 1),
+            t.append([mode, "per step + sync (TPOT)" if sync == "sync" else "back to back", mark(r, "real_time", 1),
                       fmt(r.counter("us_per_kernel"), 2), fmt(r.counter("tokens_per_s"), 0),
                       f"{eager.time_us / r.time_us:.2f}×" if eager else "–",
                       fmt(r.counter("floor_us"), 1) if sync == "sync" else "–"])
         k = nano[0][4].counter("kernels_per_step")
         md.append(f"### NanoGPT (4 layers, 32 wide, batch 1, {int(k) if k else '?'} kernels per step)\n\n"
-                  "Latency-bound: the floor is the null step (a synchronised round trip), not bandwidth.\n\n")
+                  "Latency-bound (its weights fit in L2, as they do in any real decode loop, so L2 is not "
+                  "flushed): the floor is the null step, a synchronised round trip (median of 200, measured "
+                  "in the same process before these rows), not bandwidth. Back to back = "
+                  "`enqueue_decode_step` without reading the token, one synchronisation per 32 steps.\n\n")
         md.append(table(["mode", "timing", "µs / step", "µs / kernel", "tokens/s", "speedup vs eager", "floor µs"], t))
         md.append("\n")
 
@@ -277,7 +305,7 @@ def decode_section(res):
         idx = {(m, mode, b): r for m, mode, _, b, r in qwen}
         for model, mode, _, b, r in qwen:
             eager = idx.get((model, "eager", b))
-            t.append([model, b, int(r.counter("bucket", b) or b), mode, fmt(r.time_us / 1e3, 3),
+            t.append([model, b, int(r.counter("bucket", b) or b), mode, mark(r, "real_time", 3, 1e-3),
                       fmt(r.counter("tokens_per_s"), 0), fmt(r.counter("GBps"), 0), f"{fmt(r.counter('pct_of_d2d'), 1)}%",
                       fmt(r.counter("floor_ms"), 3), f"{eager.time_us / r.time_us:.2f}×" if eager else "–"])
         md.append("### Qwen3 shapes (random bf16 weights, paged KV, 16-token prompts)\n\n"
@@ -302,7 +330,7 @@ def generic_section(prog, res):
                         "iterations", "real_time", "cpu_time")}
         rows.append([f"`{r.name.replace('/manual_time', '').replace('/real_time', '')}`",
                      f"{fmt(r.entry['real_time'], 3)} {r.entry.get('time_unit', '')}",
-                     ", ".join(f"{k} {fmt(v, 3)}" for k, v in sorted(counters.items()))])
+                     ", ".join(f"{k} {int(v) if float(v).is_integer() else fmt(v, 3)}" for k, v in sorted(counters.items()))])
     if not rows:
         return ""
     return f"### {prog}\n\n" + table(["benchmark", "time", "counters"], rows) + "\n"
@@ -342,7 +370,11 @@ def plots(ctx, programs, img_dir):
             ax.set_xticklabels([str(n) for n in ns])
             ax.minorticks_off()
         ax.set_xlabel("kernels per step (N)")
-        ax.set_ylabel("µs per kernel")
+        ax.set_ylabel("µs per kernel (log scale)")
+        lo_y, hi_y = ax.get_ylim()
+        yt = [t for t in (0.5, 0.75, 1, 1.5, 2, 3, 4, 5, 7, 9, 15, 20, 30, 50, 100) if lo_y <= t <= hi_y]
+        ax.set_yticks(yt)
+        ax.set_yticklabels([f"{t:g}" for t in yt])
         ax.set_title("Per-kernel cost of a chain of N tiny dependent kernels")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -497,9 +529,12 @@ def main(argv=None):
         md.append(f" ({', '.join(extra)})")
     drv = ctx.get("driver")
     md.append(f", driver {drv + ' / ' if drv else ''}CUDA {ctx.get('driver_cuda', '?')}, CUDA runtime "
-              f"{ctx.get('cuda_runtime', '?')}, on {ctx.get('date', '')[:10]} (host {ctx.get('host_name', '?')}, "
-              f"{ctx.get('num_cpus', '?')} CPUs). Figures are {', '.join(stats) or '?'}s of "
-              f"{'/'.join(str(r) for r in reps) or '?'} repetitions. Reproduce with `{a.command}`.\n\n")
+              f"{ctx.get('cuda_runtime', '?')}, on {ctx.get('date', '')[:10]} ({ctx.get('num_cpus', '?')} host CPUs). Figures are {', '.join(stats) or '?'}s of "
+              f"{'/'.join(str(r) for r in reps) or '?'} repetitions. Reproduce with `{a.command}`; this page "
+              f"was generated from {', '.join('`' + os.path.relpath(p) + '`' for p in a.json)}.\n\n")
+    if any(r.noisy(k) for res in programs.values() for r in res.values() for k in r.cv_entry):
+        md.append(f"Figures marked * varied by more than {NOISY_CV:.0%} (coefficient of variation) across "
+                  "the repetitions; read them as rough.\n\n")
     md.append("## Headline\n\n")
     if "launch_overhead" in made:
         md.append(f"![per-kernel cost vs N]({rel(made['launch_overhead'])})\n\n")
@@ -527,7 +562,11 @@ def main(argv=None):
         md.append(table(["program", "benchmark", "reason"], [[p, f"`{n}`", m] for p, n, m in errors]))
         md.append("\n")
     md.append("## Context\n\n")
-    md.append(table(["key", "value"], [[k, v] for k, v in ctx.items() if not isinstance(v, (list, dict))]))
+    notes = {"library_build_type": " (Google Benchmark's own library as packaged by Debian; the benchmarks "
+                                   "themselves are Release builds)",
+             "host_name": " (the GPU machine)", "date": " (start of the first program)"}
+    md.append(table(["key", "value"], [[k, f"{v}{notes.get(k, '')}"] for k, v in ctx.items()
+                                       if not isinstance(v, (list, dict)) and k != "executable"]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write("".join(md))
