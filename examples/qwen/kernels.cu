@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
   __syncthreads();
 
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
-  constexpr int U = 8;  // 16-byte loads in flight per row and lane (K <= 2048: the whole row in one round trip)
+  constexpr int U = 4;  // 16-byte loads in flight per row and lane (U = 8: untested on the GPU, see docs/perf-notes.md)
   float best_v[B];
   int best_i[B];
 #pragma unroll
