@@ -32,7 +32,7 @@ tail -30 "$L/build.log" | grep -E "error|FAILED" >> "$S"
 W=examples/nanogpt/weights/shakespeare_char.safetensors
 if [ "${TRAIN:-0}" = 1 ] || [ ! -f "$W" ]; then
   if [ -f examples/nanogpt/data/shakespeare.txt ]; then
-    stage train 240 python3 examples/nanogpt/train.py --data examples/nanogpt/data/shakespeare.txt --out "$W"
+    stage train 240 python3 examples/nanogpt/train.py --data examples/nanogpt/data/shakespeare.txt --out "$W" --steps ${TRAIN_STEPS:-3000}
     grep -E "^step|parameters|saved" "$L/train.log" | tail -4 >> "$S"
     [ -f "$W" ] && cp "$W" "$OUT/"
   else

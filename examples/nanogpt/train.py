@@ -6,7 +6,7 @@
 
 The data file comes from prepare_data.py. The saved file holds the full PyTorch state_dict
 (parameters + the tril / kv_indices buffers), so `model.load_state_dict(load_file(path))` restores
-it, and the C++ decoder (nanogpt --weights) loads the same file. Defaults: 5000 AdamW steps of
+it, and the C++ decoder (nanogpt --weights) loads the same file. Defaults: 3000 AdamW steps of
 64 sequences of 64 characters, lr 1e-3 with cosine decay, 90/10 train/validation split, seed 1337.
 """
 import argparse
@@ -24,7 +24,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1337)
