@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Graph pool / step runner checks on the GPU machine, from the repo root (see ../shared/device/README.md):
-#   source .deps/tools/env.sh && bash scripts/gpu-pool.sh
-# Builds the pool/bucket/runner tests and benchmarks, runs them with CTest, runs the GPU tests under
-# compute-sanitizer memcheck (two passes, as scripts/gpu-check.sh), runs the benchmarks with JSON
-# output and prints a summary (pool vs raw launch overhead; capture time and memory per bucket).
+#   source .deps/tools/env.sh && bash scripts/gpu-pool.sh [stages...]
+# Stages (default: all): test (CTest of the pool/bucket/runner tests, then the GPU tests with their
+# statistics tables), memcheck (GPU tests under compute-sanitizer memcheck, two passes as
+# scripts/gpu-check.sh), bench (benchmarks with JSON output and a summary: pool vs raw launch
+# overhead; capture time and memory per bucket; about 1 minute).
 # Files in $OUT (or ./out): pool.log, memcheck-full.log, pool_overhead.json, pool_capture.json,
 # pool_summary.txt.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu-pool}
+stages=${*:-test memcheck bench}
 log="$out/pool.log"; : >"$log"
 say() { echo "$@" | tee -a "$log"; }
 t0=$(date +%s)
@@ -21,6 +23,8 @@ cmake --build "$build" -j16 --target $targets >"$out/build.log" 2>&1 \
 rm -f "$out/configure.log" "$out/build.log"
 say "build: $(( $(date +%s) - t0 )) s"
 
+has() { case " $stages " in *" $1 "*) return 0 ;; esac; return 1; }
+if has test; then
 say "== ctest"
 (cd "$build" && ctest --output-on-failure -R 'host_test_(bucket|graph_pool|runner)|gpu_test_(pool|runner)|bench_pool') 2>&1 | tee -a "$log" | tail -15
 
@@ -29,6 +33,8 @@ for t in gpu_test_pool gpu_test_runner; do
   "$build/tests/$t" -s 2>&1 | grep -vE "^\s*(CHECK|REQUIRE)|PASSED|^=+$|^$|values:" >>"$log"
 done
 
+fi
+if has memcheck; then
 say "== memcheck"
 san="compute-sanitizer --tool memcheck"
 : >"$out/memcheck-full.log"
@@ -41,9 +47,11 @@ for t in gpu_test_pool gpu_test_runner; do
   done
 done
 
+fi
+if has bench; then
 say "== benchmarks"
 "$build/benchmarks/bench_pool_overhead" --benchmark_repetitions=10 --benchmark_report_aggregates_only=true \
-  --benchmark_min_time=0.1 --benchmark_format=json --benchmark_out="$out/pool_overhead.json" \
+  --benchmark_format=json --benchmark_out="$out/pool_overhead.json" \
   --benchmark_out_format=json >/dev/null 2>>"$log"
 "$build/benchmarks/bench_pool_capture" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
   --benchmark_format=json --benchmark_out="$out/pool_capture.json" --benchmark_out_format=json >/dev/null 2>>"$log"
@@ -73,4 +81,5 @@ for b in cap["benchmarks"]:
     print(f"{name:<22} {bucket:>6} {b['capture_ms']:10.3f} {b['instantiate_ms']:8.3f} {b['real_time']:9.3f} "
           f"{b['bytes_per_graph']:12.0f} {b.get('pool_device_bytes_per_graph', float('nan')):12.0f}")
 EOF
+fi
 say "done in $(( $(date +%s) - t0 )) s"

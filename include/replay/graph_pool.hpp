@@ -145,10 +145,21 @@ struct graph_key {
   std::array<std::int64_t, 4> fields{};  ///< other graph-changing values (shapes, settings)
 
   friend constexpr bool operator==(const graph_key&, const graph_key&) noexcept = default;
+  /// Hash of all members: each one multiplied by its own odd constant and rotated by its own
+  /// amount (independent, so the CPU does them in parallel), then one 64-bit finaliser. About a
+  /// quarter of the cost of chaining hash_mix per member on the pool's hit path. (A collision
+  /// never selects a wrong graph: the pool compares keys with operator==.)
   [[nodiscard]] constexpr std::size_t hash() const noexcept {
-    std::size_t h = hash_mix(0x67726b79u, (static_cast<std::uint64_t>(bucket) << 32) | dtype);
-    for (const std::int64_t f : fields) h = hash_mix(h, static_cast<std::uint64_t>(f));
-    return h;
+    const auto rotl = [](std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+    std::uint64_t h = ((static_cast<std::uint64_t>(bucket) << 32) | dtype) * 0x9e3779b97f4a7c15ULL;
+    h ^= rotl(static_cast<std::uint64_t>(fields[0]) * 0xc2b2ae3d27d4eb4fULL, 13);
+    h ^= rotl(static_cast<std::uint64_t>(fields[1]) * 0x165667b19e3779f9ULL, 29);
+    h ^= rotl(static_cast<std::uint64_t>(fields[2]) * 0xd6e8feb86659fd93ULL, 41);
+    h ^= rotl(static_cast<std::uint64_t>(fields[3]) * 0x9fb21c651e98df25ULL, 53);
+    h ^= h >> 32;
+    h *= 0xd6e8feb86659fd93ULL;
+    h ^= h >> 32;
+    return static_cast<std::size_t>(h);
   }
 };
 

@@ -326,6 +326,16 @@ TEST_CASE("graph_key: equality and hash cover every field") {
       for (std::int64_t f0 = 0; f0 < 16; ++f0)
         many.insert(replay::graph_key{.bucket = bucket, .dtype = dtype, .fields = {f0}}.hash());
   CHECK(many.size() == 64 * 4 * 16);
+  // Every field position, small values (the common case: shapes and flags).
+  std::unordered_set<std::size_t> all;
+  std::size_t count = 0;
+  for (std::uint32_t bucket = 1; bucket <= 256; bucket *= 2)
+    for (std::int64_t a = 0; a < 8; ++a)
+      for (std::int64_t b2 = 0; b2 < 8; ++b2)
+        for (std::int64_t c = 0; c < 8; ++c)
+          for (std::int64_t d = 0; d < 8; ++d, ++count)
+            all.insert(replay::graph_key{.bucket = bucket, .dtype = 1, .fields = {a, b2, c, d}}.hash());
+  CHECK(all.size() == count);
 }
 
 TEST_CASE("key hashing: member hash(), std::hash, and describe_key") {
