@@ -63,7 +63,9 @@ print("device:", ov["context"].get("device", "?"), "| host:", ov["context"].get(
 med = {}
 for b in ov["benchmarks"]:
     if b.get("aggregate_name") == "median":
-        med[b["run_name"]] = b["real_time"]
+        # run names look like BM_pool_run/launch/1/iterations:2000/manual_time
+        parts = [x for x in b["run_name"].split("/") if not x.startswith("iterations:")]
+        med["/".join(parts)] = b["real_time"]
 print("\nhost time per call (median of 10 repetitions, ns); overhead = variant - raw")
 print(f"{'variant':<8} {'keys':>4} {'raw':>8} {'pool':>8} {'runner':>8} {'pool-raw':>9} {'runner-raw':>10}")
 for variant in ("launch", "push"):
