@@ -10,12 +10,6 @@
 #include <replay/graph_exec.hpp>
 #include <replay/capture.hpp>
 #include <replay/step_meta.hpp>
-#if __has_include(<replay/bucket.hpp>)
 #include <replay/bucket.hpp>
-#endif
-#if __has_include(<replay/graph_pool.hpp>)
 #include <replay/graph_pool.hpp>
-#endif
-#if __has_include(<replay/runner.hpp>)
 #include <replay/runner.hpp>
-#endif
