@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
 build=${BUILD_DIR:-build}
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -UREPLAY_EXAMPLES >/dev/null
 cmake --build "$build" -j "$(nproc)" --target nanogpt
 exec "$build/examples/nanogpt/nanogpt" "$@"

@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
 build=${BUILD_DIR:-build}
 jobs=${JOBS:-$(nproc)}
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -UREPLAY_EXAMPLES "$@"
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
