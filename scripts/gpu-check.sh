@@ -18,16 +18,18 @@ cmake --build "$build" -j16 ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1
 # reporting on. Full logs go to $out/memcheck-full.log; the summary lines to $out/memcheck.log.
 san="compute-sanitizer --tool memcheck"
 : >"$out/memcheck-full.log"
-for t in "$build"/tests/gpu_test_* "$build"/examples/*/test_*gpu* ${EXTRA_GPU_TESTS:-}; do
-  [ -x "$t" ] && [ -f "$t" ] || continue
+# Every test labelled "gpu" in CTest (core, pool, runner, examples), with its arguments.
+mapfile -t gpu_cmds < <(ctest --test-dir "$build" -L gpu ${CTEST_ARGS:-} --show-only=json-v1 | python3 -c '
+import json, shlex, sys
+for t in json.load(sys.stdin)["tests"]:
+    if t.get("command"): print(shlex.join(t["command"]))')
+for cmd in "${gpu_cmds[@]}"; do
   for pass in "--report-api-errors no|" "--report-api-errors explicit|-tse=expected_cuda_errors"; do
     sflags=${pass%%|*}; tflags=${pass#*|}
-    echo "== memcheck $(basename "$t") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
-    $san $sflags "$t" $tflags >>"$out/memcheck-full.log" 2>&1
+    case "$cmd" in *gpu_test_*|*_gpu|*_decode) ;; *) tflags="" ;; esac  # doctest filters only for doctest programs
+    echo "== memcheck $(basename "${cmd%% *}") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
+    eval "$san $sflags $cmd $tflags" >>"$out/memcheck-full.log" 2>&1
     tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases" | tee -a "$out/memcheck.log"
   done
 done
-echo "== memcheck launch_overhead" | tee -a "$out/memcheck.log"
-$san "$build/examples/launch_overhead/launch_overhead" --sizes 1,10 --iters 5 >>"$out/memcheck-full.log" 2>&1
-tail -n 1 "$out/memcheck-full.log" | tee -a "$out/memcheck.log"
 "$build/examples/launch_overhead/launch_overhead" --iters 300 --json "$out/launch_overhead.json" 2>&1 | tee "$out/launch_overhead.txt"
