@@ -3,6 +3,7 @@
 // Precision: bf16 weights and KV cache, fp32 accumulation everywhere, fp32 residual stream; the
 // inputs of the projections are rounded to bf16 (as in a bf16 Hugging Face model).
 #include "kernels.cuh"
+#include "device_helpers.cuh"
 
 #include <replay/error.hpp>
 
@@ -12,97 +13,7 @@
 namespace qwen {
 namespace {
 
-// ------------------------------------------------------------------------------------------------
-// Device helpers
-// ------------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-/// 8 bf16 packed in a uint4 -> 8 floats (bf16 -> fp32 is a 16-bit shift).
-__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ unsigned pack2(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&h);
-}
-
-/// Streaming 16-byte load of weights: read once per step, so do not pollute L1.
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
-/// Maps a float to an unsigned int with the same order; packed with ~index so that atomicMax picks
-/// the largest value and, among equal values, the lowest index.
-__device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
-  unsigned u = __float_as_uint(v);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
-}
-
-/// Programmatic dependent launch (sm_90): let the next kernel in the stream/graph launch now (its
-/// blocks run their independent prologue, e.g. weight prefetch, while this kernel finishes) ...
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-/// ... and wait until every earlier kernel has completed and its writes are visible. Every kernel
-/// calls this before touching memory that an earlier kernel writes or reads (no-op without PDL).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-__device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-/// Per-head RMSNorm then rotate-half RoPE of one head (D values at x), done by one warp. Lane owns
-/// dims lane*E+e (first half) and D/2+lane*E+e (second half), so RoPE pairs stay in the lane.
-template <int D>
-__device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, float eps, const float2* rope_row,
-                                               int lane, float* lo, float* hi) {
-  constexpr int E = D / 64;
-  float ss = 0.f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    lo[e] = x[lane * E + e];
-    hi[e] = x[D / 2 + lane * E + e];
-    ss += lo[e] * lo[e] + hi[e] * hi[e];
-  }
-  ss = warp_sum(ss);
-  const float rs = rsqrtf(ss / D + eps);
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int d = lane * E + e;
-    const float a = lo[e] * rs * __bfloat162float(w[d]);
-    const float b = hi[e] * rs * __bfloat162float(w[D / 2 + d]);
-    const float2 cs = rope_row[d];
-    lo[e] = a * cs.x - b * cs.y;
-    hi[e] = b * cs.x + a * cs.y;
-  }
-}
+using namespace dev;
 
 // ------------------------------------------------------------------------------------------------
 // Kernels
@@ -160,7 +71,7 @@ constexpr int kGemvThreads = kGemvWarps * 32;
 /// Fused GEMV for B batch rows: stage x (copied, or RMS-normalised from the fp32 residual) in shared
 /// memory as bf16, then each warp computes output rows in a grid-stride loop with 16-byte streaming
 /// loads of W, U of them in flight per row, fp32 accumulation, and the epilogue of MODE.
-template <int B, gemv_out MODE, bool NORM>
+template <int B, gemv_out MODE, bool NORM, int U>
 __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
                                                             float* y_f32, bf16* y_bf16, int ldy,
                                                             unsigned long long* keys) {
@@ -231,7 +142,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
   __syncthreads();
 
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
-  constexpr int U = 4;  // 16-byte loads in flight per row and lane (U = 8: untested on the GPU, see docs/perf-notes.md)
   float best_v[B];
   int best_i[B];
 #pragma unroll
@@ -563,6 +473,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 // ------------------------------------------------------------------------------------------------
 
 bool g_pdl = true;
+int g_gemv_loads = 4;  // U of the legacy GEMV: 16-byte loads in flight per row and lane (4 or 8)
 
 /// Launches `kernel` with the programmatic-stream-serialization attribute (PDL) when enabled: in a
 /// stream or a captured graph the kernel may start while its predecessor finishes; the kernels'
@@ -591,16 +502,17 @@ int fill_grid(std::size_t n) {
 template <int B, gemv_out MODE, bool NORM>
 void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
                    unsigned long long* keys, int num_sms, cudaStream_t s) {
-  auto kernel = gemv_kernel<B, MODE, NORM>;
+  auto kernel = g_gemv_loads == 8 ? gemv_kernel<B, MODE, NORM, 8> : gemv_kernel<B, MODE, NORM, 4>;
   const std::size_t smem = std::size_t(B) * K * sizeof(bf16);
   // Occupancy per (kernel, shared-memory size), computed once: the grid is capped at what fits at
   // once, so x is staged once per resident block.
-  static std::map<std::size_t, int> resident;
-  auto it = resident.find(smem);
+  static std::map<std::pair<std::size_t, int>, int> resident;
+  const auto key = std::make_pair(smem, g_gemv_loads);
+  auto it = resident.find(key);
   if (it == resident.end()) {
     int per_sm = 0;
     REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
-    it = resident.emplace(smem, per_sm < 1 ? 1 : per_sm).first;
+    it = resident.emplace(key, per_sm < 1 ? 1 : per_sm).first;
   }
   const int rows_per_block = kGemvWarps;
   int grid = (N + rows_per_block - 1) / rows_per_block;
@@ -630,12 +542,17 @@ void set_max_smem(F kernel) {
   REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 
+template <int B, int U>
+void init_gemv_attrs_u() {
+  set_max_smem(gemv_kernel<B, gemv_out::store_f32, true, U>);
+  set_max_smem(gemv_kernel<B, gemv_out::silu_mul, true, U>);
+  set_max_smem(gemv_kernel<B, gemv_out::argmax, true, U>);
+  set_max_smem(gemv_kernel<B, gemv_out::add_f32, false, U>);
+}
 template <int B>
 void init_gemv_attrs() {
-  set_max_smem(gemv_kernel<B, gemv_out::store_f32, true>);
-  set_max_smem(gemv_kernel<B, gemv_out::silu_mul, true>);
-  set_max_smem(gemv_kernel<B, gemv_out::argmax, true>);
-  set_max_smem(gemv_kernel<B, gemv_out::add_f32, false>);
+  init_gemv_attrs_u<B, 4>();
+  init_gemv_attrs_u<B, 8>();
 }
 
 template <int D>
@@ -662,6 +579,11 @@ void attention_d(const float* qkv, int q_heads, int kv_heads, const bf16* q_norm
 
 void set_pdl(bool on) { g_pdl = on; }
 bool pdl_enabled() { return g_pdl; }
+void set_gemv_loads(int u) {
+  if (u != 4 && u != 8) throw replay::usage_error("qwen::set_gemv_loads: 4 or 8 loads in flight");
+  g_gemv_loads = u;
+}
+int gemv_loads() { return g_gemv_loads; }
 
 void init_kernel_attributes() {
   init_gemv_attrs<1>();

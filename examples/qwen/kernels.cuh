@@ -65,6 +65,10 @@ void init_kernel_attributes();
 /// by griddepcontrol.wait in every kernel. Process-wide; set before capturing graphs.
 void set_pdl(bool on);
 bool pdl_enabled();
+/// 16-byte weight loads in flight per row and lane in the per-matrix GEMV kernels (4, the default,
+/// or 8). Process-wide; set before capturing graphs.
+void set_gemv_loads(int u);
+int gemv_loads();
 
 /// Deterministic uniform(-scale, scale) fill from (seed, index): the random initialisation.
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s);

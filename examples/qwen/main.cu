@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -183,6 +184,10 @@ int main(int argc, char** argv) {
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false;
   std::string bench_batches_s = "1,8,32,64";
+  const char* kernels_env = std::getenv("QWEN_KERNELS");
+  std::string kernels_s =
+      kernels_env != nullptr && *kernels_env != '\0' ? kernels_env : decode_kernels_name(EngineOptions{}.kernels);
+  int stream_tile_kb = 40, stream_slots = 8;
   std::uint64_t seed = 1234;
   app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny (random weights)");
   app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
@@ -206,6 +211,12 @@ int main(int argc, char** argv) {
   app.add_option("--dump-logits", dump_logits, "parity mode: write the logits of every step (float32, steps x vocab)");
   app.add_option("--seed", seed, "seed of random weights and prompts");
   app.add_flag("--no-pdl", no_pdl, "launch kernels without programmatic dependent launch (for comparison)");
+  app.add_option("--kernels", kernels_s,
+                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default): step "
+                 "(streaming kernel, one launch per step), layer, phase, legacy (one GEMV kernel per matrix), "
+                 "legacy8 (8 loads in flight)");
+  app.add_option("--stream-tile-kb", stream_tile_kb, "streaming kernel: weight KiB per work item (about)");
+  app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most (2..8)");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 
@@ -230,6 +241,9 @@ int main(int argc, char** argv) {
     opt.kv_budget_bytes = static_cast<std::size_t>(kv_mb * 1048576.0);
     opt.max_context = std::min(max_context, cfg.max_position_embeddings);
     opt.seed = seed;
+    opt.kernels = parse_decode_kernels(kernels_s);
+    opt.stream_tile_bytes = stream_tile_kb * 1024;
+    opt.stream_max_slots = stream_slots;
 
     std::vector<int> prompt;
     if (!prompt_s.empty()) prompt = parse_ids(prompt_s);
@@ -287,12 +301,14 @@ int main(int argc, char** argv) {
     out["weights"] = model_dir.empty() ? "random" : model_dir;
     out["load_ms"] = load_ms;
     out["pdl"] = pdl_enabled();
+    out["kernels"] = eng.describe_kernels();
     if (!quiet)
       fmt::print("device: {}\nmodel: {} ({} layers, hidden {}, {} q / {} kv heads, vocab {}), weights {}, {:.1f} MiB; "
                  "KV pool {} blocks x {} tokens = {:.1f} MiB\n",
                  dev, cfg.name, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                  cfg.num_key_value_heads, cfg.vocab_size, model_dir.empty() ? "random" : model_dir,
                  mib(eng.weight_bytes()), eng.kv().num_blocks(), eng.kv().block_size(), mib(eng.kv_pool_bytes()));
+    if (!quiet) fmt::print("{}\n", eng.describe_kernels());
 
     std::vector<std::string> modes;
     if (mode == "both") modes = {"eager", "graph"};
@@ -372,8 +388,8 @@ int main(int argc, char** argv) {
       const int steps = bench_steps > 0 ? bench_steps : gen;
       const double bw = d2d_bandwidth(eng.stream());
       const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
-      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps, PDL {}\n", cfg.name, dev, prompt.size(), steps,
-                 pdl_enabled() ? "on" : "off");
+      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps, PDL {}, kernels {}\n", cfg.name, dev,
+                 prompt.size(), steps, pdl_enabled() ? "on" : "off", decode_kernels_name(opt.kernels));
       fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
                  mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
       replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "eff. GB/s", "% of D2D"});

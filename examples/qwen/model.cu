@@ -1,6 +1,8 @@
 // examples/qwen/model.cu: the Engine (weights, buffers, paged KV, prefill, eager and graph decode).
 #include "model.hpp"
 
+#include "stream.cuh"
+
 #include <replay/capture.hpp>
 #include <replay/graph.hpp>
 #include <replay/runner.hpp>
@@ -10,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
 #include <cstring>
 #include <string>
 
@@ -78,6 +81,15 @@ struct Engine::Impl {
   replay::device_buffer<unsigned long long> keys;        // [rows] packed argmax
   replay::pinned_buffer<unsigned long long> keys_host;  // [rows]
 
+  /// The streaming kernel's program of one bucket (1, 2 or 4 rows): phases, counters, launches.
+  struct StreamProgram {
+    replay::device_buffer<StreamPhase> phases;
+    replay::device_buffer<unsigned> counters;  // [ticket, exited] per launch, then completed items per phase
+    std::vector<StreamLaunch> launches;
+    StreamGeometry geo;
+  };
+  std::map<int, StreamProgram> programs;  // by bucket; empty for the legacy kernels
+
   std::vector<int> buckets;
   /// The bucketed graph pool with eager fallback: one graph per bucket, captured on first use.
   std::optional<replay::step_runner<replay::graph_key>> runner;
@@ -145,6 +157,7 @@ struct Engine::Impl {
     ro.oversize = opt.eager_fallback ? replay::oversize_policy::eager : replay::oversize_policy::throw_error;
     ro.pool.warmup = 1;  // one eager run before capture (same inputs: rewrites the same K/V values)
     for (std::size_t b : ro.buckets.sizes()) buckets.push_back(static_cast<int>(b));
+    build_programs();
     runner.emplace([this](replay::stream_ref s, const replay::graph_key& k) { decode_kernels(int(k.bucket), s); },
                    std::move(ro));
     stream.synchronize();
@@ -228,6 +241,120 @@ struct Engine::Impl {
   }
 
   // ---------------------------------------------------------------------------------------------
+  // Streaming programs (stream.cuh)
+  [[nodiscard]] bool streaming() const {
+    return opt.kernels == decode_kernels::stream_phase || opt.kernels == decode_kernels::stream_layer ||
+           opt.kernels == decode_kernels::stream_step;
+  }
+
+  void build_programs() {
+    if (!streaming()) return;
+    for (int b : buckets)
+      if (b <= kGemvMaxRows && stream_supported(b, cfg.head_dim, cfg.group_size())) programs.emplace(b, build_program(b));
+  }
+
+  StreamProgram build_program(int rows) {
+    const int H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim(), QKV = cfg.qkv_dim(),
+              V = cfg.vocab_size, L = cfg.num_hidden_layers;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    std::vector<StreamPhase> ph;
+    std::size_t slot = stream_attention_scratch(cfg.head_dim, cfg.group_size());
+    auto gemv = [&](const bf16* W, int N, int K, GemvIn in, gemv_out mode, float* yf, bf16* yb, int ldy,
+                    unsigned long long* k) {
+      StreamPhase p;
+      p.kind = phase_kind::gemv;
+      p.mode = mode;
+      p.W = W, p.N = N, p.K = K, p.in = in, p.y_f32 = yf, p.y_bf16 = yb, p.ldy = ldy, p.keys = k;
+      const bool pair = mode == gemv_out::silu_mul;
+      p.rows = stream_rows_per_item(K, pair, opt.stream_tile_bytes);
+      p.items = (N + p.rows - 1) / p.rows;
+      slot = std::max(slot, std::size_t(p.rows) * K * 2 * (pair ? 2 : 1));
+      ph.push_back(p);
+    };
+    StreamPhase e;
+    e.kind = phase_kind::embed;
+    e.items = 1;
+    e.embed = embed, e.vocab = V, e.hidden = H, e.residual = residual.data(), e.keys = keys.data();
+    ph.push_back(e);
+    for (int l = 0; l < L; ++l) {
+      const auto& w = layers[l];
+      gemv(w.wqkv, QKV, H, GemvIn{nullptr, residual.data(), w.in_norm, eps}, gemv_out::store_f32, qkv.data(), nullptr,
+           QKV, nullptr);
+      StreamPhase a;
+      a.kind = phase_kind::attention;
+      a.items = rows * cfg.num_key_value_heads;
+      a.qkv = qkv.data(), a.q_norm = w.q_norm, a.k_norm = w.k_norm, a.rope = rope.data(), a.eps = eps, a.layer = l;
+      a.q_dim = Q, a.kv_dim = cfg.kv_dim(), a.out = attn.data();
+      ph.push_back(a);
+      gemv(w.wo, H, Q, GemvIn{attn.data(), nullptr, nullptr, eps}, gemv_out::add_f32, residual.data(), nullptr, H,
+           nullptr);
+      gemv(w.wgu, I, H, GemvIn{nullptr, residual.data(), w.post_norm, eps}, gemv_out::silu_mul, nullptr, act.data(), I,
+           nullptr);
+      gemv(w.wdown, H, I, GemvIn{act.data(), nullptr, nullptr, eps}, gemv_out::add_f32, residual.data(), nullptr, H,
+           nullptr);
+    }
+    gemv(lm_head, V, H, GemvIn{nullptr, residual.data(), final_norm, eps}, gemv_out::argmax, logits.data(), nullptr, V,
+         keys.data());
+    const int P = static_cast<int>(ph.size());
+
+    std::vector<std::pair<int, int>> groups;  // phases [first, second) per launch
+    if (opt.kernels == decode_kernels::stream_step) {
+      groups.push_back({0, P});
+    } else if (opt.kernels == decode_kernels::stream_layer) {
+      groups.push_back({0, 1});
+      for (int l = 0; l < L; ++l) groups.push_back({1 + 5 * l, 6 + 5 * l});
+      groups.push_back({P - 1, P});
+    } else {
+      for (int p = 0; p < P; ++p) groups.push_back({p, p + 1});
+    }
+    const int G = static_cast<int>(groups.size());
+    StreamProgram prog;
+    prog.counters = replay::device_buffer<unsigned>(2 * std::size_t(G) + P);
+    REPLAY_CHECK(cudaMemset(prog.counters.data(), 0, prog.counters.size_bytes()));
+    std::vector<unsigned> totals;
+    for (const auto& [g0, g1] : groups) {
+      unsigned first = 0;
+      for (int p = g0; p < g1; ++p) {
+        ph[p].first = static_cast<int>(first);
+        first += static_cast<unsigned>(ph[p].items);
+        ph[p].wait = p > g0 ? p - 1 : -1;
+        ph[p].wait_items = p > g0 ? ph[p - 1].items : 0;
+        ph[p].signal = p + 1 < g1 ? 1 : 0;
+      }
+      totals.push_back(first);
+    }
+    prog.phases = replay::device_buffer<StreamPhase>(ph.size());
+    REPLAY_CHECK(cudaMemcpy(prog.phases.data(), ph.data(), ph.size() * sizeof(StreamPhase), cudaMemcpyHostToDevice));
+    const int max_k = std::max({H, Q, I});
+    prog.geo = stream_geometry(rows, cfg.head_dim, cfg.group_size(), static_cast<int>(slot), max_k,
+                               opt.stream_max_slots, num_sms);
+    for (int g = 0; g < G; ++g) {
+      StreamLaunch Lc;
+      Lc.phases = prog.phases.data();
+      Lc.p0 = groups[g].first, Lc.p1 = groups[g].second;
+      Lc.total = totals[g];
+      Lc.ctr = prog.counters.data() + 2 * g;
+      Lc.done = prog.counters.data() + 2 * G;
+      Lc.meta = meta;
+      Lc.kv = kv;
+      Lc.slot_bytes = prog.geo.slot_bytes;
+      Lc.slots = prog.geo.slots;
+      prog.launches.push_back(Lc);
+    }
+    return prog;
+  }
+
+  [[nodiscard]] std::string describe_kernels() const {
+    std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
+    if (!streaming()) return s + (opt.kernels == decode_kernels::legacy_u8 ? " (8 loads in flight)" : "");
+    if (programs.empty()) return s + " (shape not supported by the streaming kernel: legacy kernels)";
+    for (const auto& [b, p] : programs)
+      s += fmt::format("; bucket {}: {} launch(es), grid {}, {} slots x {} KiB, smem {} KiB", b, p.launches.size(),
+                       p.geo.grid, p.geo.slots, p.geo.slot_bytes / 1024.0, p.geo.smem / 1024.0);
+    return s;
+  }
+
+  // ---------------------------------------------------------------------------------------------
   // Metadata
   void push_block_table() {
     auto [b, e] = book->dirty();
@@ -289,6 +416,12 @@ struct Engine::Impl {
     const int H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim(), QKV = cfg.qkv_dim(),
               V = cfg.vocab_size;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
+    set_gemv_loads(opt.kernels == decode_kernels::legacy_u8 ? 8 : 4);
+    if (auto it = programs.find(rows); it != programs.end()) {
+      for (const auto& Lc : it->second.launches)
+        launch_stream(Lc, rows, cfg.head_dim, cfg.group_size(), it->second.geo, s);
+      return;
+    }
     launch_embed(embed, V, H, meta, rows, residual.data(), keys.data(), s);
     if (rows <= kGemvMaxRows) {
       for (int l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -367,6 +500,7 @@ GraphStats Engine::graph_stats() const {
   return g;
 }
 replay::pool_stats Engine::pool_stats() const { return impl_->runner->stats(); }
+std::string Engine::describe_kernels() const { return impl_->describe_kernels(); }
 std::size_t Engine::weight_bytes() const { return impl_->weights.size_bytes(); }
 std::size_t Engine::kv_pool_bytes() const { return impl_->kv_pool.size_bytes(); }
 std::size_t Engine::buffer_bytes() const {

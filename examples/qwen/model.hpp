@@ -32,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace qwen {
@@ -105,6 +106,8 @@ class Engine {
   [[nodiscard]] GraphStats graph_stats() const;
   /// The full statistics of the bucketed graph pool (per key: hits, captures, capture time, memory).
   [[nodiscard]] replay::pool_stats pool_stats() const;
+  /// Which decode kernels buckets of 1..4 rows run (and the streaming kernel's geometry per bucket).
+  [[nodiscard]] std::string describe_kernels() const;
   [[nodiscard]] std::size_t weight_bytes() const;   ///< device bytes of all weights
   [[nodiscard]] std::size_t kv_pool_bytes() const;  ///< device bytes of the KV pool
   [[nodiscard]] std::size_t buffer_bytes() const;   ///< activations, logits, metadata, workspace

@@ -14,6 +14,34 @@
 
 namespace qwen {
 
+/// Kernels of the decode step for buckets of 1..4 rows (larger buckets always use cuBLAS GEMMs).
+enum class decode_kernels {
+  legacy,        ///< one fused GEMV kernel per matrix, 4 weight loads in flight per row (kernels.cu)
+  legacy_u8,     ///< the same with 8 loads in flight per row
+  stream_phase,  ///< streaming kernel (stream.cuh), one launch per phase (embed, QKV, attention, ...)
+  stream_layer,  ///< streaming kernel, one launch per layer (+ embed, + lm_head)
+  stream_step,   ///< streaming kernel, the whole step in one launch
+};
+
+inline const char* decode_kernels_name(decode_kernels k) {
+  switch (k) {
+    case decode_kernels::legacy: return "legacy";
+    case decode_kernels::legacy_u8: return "legacy8";
+    case decode_kernels::stream_phase: return "phase";
+    case decode_kernels::stream_layer: return "layer";
+    case decode_kernels::stream_step: return "step";
+  }
+  return "?";
+}
+
+/// Parses legacy, legacy8, phase, layer or step; throws input_error otherwise.
+inline decode_kernels parse_decode_kernels(const std::string& s) {
+  for (auto k : {decode_kernels::legacy, decode_kernels::legacy_u8, decode_kernels::stream_phase,
+                 decode_kernels::stream_layer, decode_kernels::stream_step})
+    if (s == decode_kernels_name(k)) return k;
+  throw input_error("unknown decode kernels '" + s + "' (known: legacy, legacy8, phase, layer, step)");
+}
+
 /// Run-time sizes of the engine (everything is allocated once from these).
 struct EngineOptions {
   int max_batch = 64;                        ///< rows the activation buffers hold (largest batch)
@@ -25,6 +53,9 @@ struct EngineOptions {
   int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
+  decode_kernels kernels = decode_kernels::legacy;  ///< decode kernels of buckets 1..4
+  int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
+  int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
@@ -41,6 +72,9 @@ struct EngineOptions {
       throw input_error(fmt::format("max context {} exceeds the model's max_position_embeddings {}", max_context,
                                     c.max_position_embeddings));
     if (prefill_chunk < 1) throw input_error("prefill chunk must be positive");
+    if (stream_tile_bytes < 1024 || stream_tile_bytes > (160 << 10))
+      throw input_error("streaming tile must be in 1..160 KiB");
+    if (stream_max_slots < 2 || stream_max_slots > 8) throw input_error("streaming slots must be in 2..8");
     const std::int64_t nb = kv_blocks(c);
     if (nb < 2)
       throw input_error(fmt::format("KV memory budget of {} bytes holds {} blocks of {} bytes; at least 2 are needed",

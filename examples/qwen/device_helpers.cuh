@@ -1,0 +1,105 @@
+// examples/qwen/device_helpers.cuh: device helpers shared by the decode kernels (kernels.cu) and the
+// streaming decode kernel (stream.cu): bf16 packing, warp reductions, streaming loads, the argmax key,
+// programmatic dependent launch, per-head RMSNorm + RoPE. Internal to the example (namespace
+// qwen::dev, every function inline).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace qwen::dev {
+
+using bf16 = __nv_bfloat16;
+
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/// 8 bf16 packed in a uint4 -> 8 floats (bf16 -> fp32 is a 16-bit shift).
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ unsigned pack2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+/// Streaming 16-byte load of weights: read once per step, so do not pollute L1.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+/// Maps a float to an unsigned int with the same order; packed with ~index so that atomicMax picks
+/// the largest value and, among equal values, the lowest index.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
+  unsigned u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
+}
+
+/// Programmatic dependent launch (sm_90): let the next kernel in the stream/graph launch now (its
+/// blocks run their independent prologue, e.g. weight prefetch, while this kernel finishes) ...
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+/// ... and wait until every earlier kernel has completed and its writes are visible. Every kernel
+/// calls this before touching memory that an earlier kernel writes or reads (no-op without PDL).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/// Per-head RMSNorm then rotate-half RoPE of one head (D values at x), done by one warp. Lane owns
+/// dims lane*E+e (first half) and D/2+lane*E+e (second half), so RoPE pairs stay in the lane.
+template <int D>
+__device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, float eps, const float2* rope_row,
+                                               int lane, float* lo, float* hi) {
+  constexpr int E = D / 64;
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    lo[e] = __ldcg(x + lane * E + e);  // written by an earlier kernel or phase: read through L2
+    hi[e] = __ldcg(x + D / 2 + lane * E + e);
+    ss += lo[e] * lo[e] + hi[e] * hi[e];
+  }
+  ss = warp_sum(ss);
+  const float rs = rsqrtf(ss / D + eps);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int d = lane * E + e;
+    const float a = lo[e] * rs * __bfloat162float(w[d]);
+    const float b = hi[e] * rs * __bfloat162float(w[D / 2 + d]);
+    const float2 cs = rope_row[d];
+    lo[e] = a * cs.x - b * cs.y;
+    hi[e] = b * cs.x + a * cs.y;
+  }
+}
+
+}  // namespace qwen::dev
