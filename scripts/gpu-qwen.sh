@@ -43,7 +43,7 @@ for s in $stages; do
       run timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu"
       run timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 "$q" --preset tiny --demo --mode both --quiet ;;
     parity)
-      PYTHONUNBUFFERED=1 run python3 examples/qwen/parity.py --bin "$q" --out "$out/parity.json" ;;
+      PYTHONUNBUFFERED=1 run timeout 200 python3 examples/qwen/parity.py --bin "$q" --out "$out/parity.json" ;;
     demo)
       run "$q" --preset tiny --demo --mode both
       run "$q" --preset qwen3-0.6b --batch 3 --random-prompt 12 --gen 40 --mode both
