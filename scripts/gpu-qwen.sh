@@ -9,7 +9,9 @@
 # Logs and JSON go to $OUT (or ./out): qwen.log (everything), parity.json, bench_qwen3-0.6b.json,
 # bench_qwen3-4b.json, variants.md.
 # BIN_DIR=dir: use prebuilt qwen, qwen_gpu, qwen_host from dir when they run here (skips the build).
-# QWEN_KERNELS picks the decode kernels of the qwen CLI (and so of parity.py); default: step.
+# xcheck (teacher-forced logits of the 0.6B and 4B shapes, every kernel variant against the legacy
+# kernels), parity_small (parity.py with 2 KiB streaming tiles: GEMV items of 1-4 rows).
+# QWEN_KERNELS, QWEN_STREAM_TILE_KB, QWEN_STREAM_SLOTS: defaults of the qwen CLI (and so of parity.py).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu-qwen}
@@ -44,14 +46,44 @@ for s in $stages; do
       run timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 "$q" --preset tiny --demo --mode both --quiet ;;
     parity)
       PYTHONUNBUFFERED=1 run timeout 200 python3 examples/qwen/parity.py --bin "$q" --out "$out/parity.json" ;;
+    parity_small)
+      QWEN_STREAM_TILE_KB=2 PYTHONUNBUFFERED=1 run timeout 200 python3 examples/qwen/parity.py --bin "$q" \
+        --out "$out/parity_small.json" ;;
+    xcheck)
+      xdir=$(mktemp -d)
+      for shape in qwen3-0.6b qwen3-4b; do
+        for v in "legacy" "phase" "layer" "step" "step --stream-tile-kb 8" "step --stream-slots 2"; do
+          tag=$(echo "$v" | tr -d ' -' | sed 's/streamtilekb/t/; s/streamslots/s/')
+          run timeout 120 "$q" --preset $shape --random-prompt 40 --teacher-force 8 --mode both --kernels $v \
+            --kv-mem-mb 1024 --max-context 256 --quiet --dump-logits "$xdir/${shape}_${tag}.f32"
+        done
+      done
+      python3 - "$xdir" <<'PY' | tee -a "$log"
+import os, sys
+import numpy as np
+d = sys.argv[1]
+for shape in ["qwen3-0.6b", "qwen3-4b"]:
+    ref_path = f"{d}/{shape}_legacy.f32"
+    if not os.path.exists(ref_path):
+        print(f"xcheck {shape}: no legacy reference"); continue
+    ref = np.fromfile(ref_path, dtype=np.float32).reshape(-1, 151936).astype(np.float64)
+    for f in sorted(os.listdir(d)):
+        if not f.startswith(shape + "_") or f.endswith("_legacy.f32"): continue
+        x = np.fromfile(f"{d}/{f}", dtype=np.float32).reshape(-1, 151936).astype(np.float64)
+        rel = np.linalg.norm(x - ref, axis=1) / np.linalg.norm(ref, axis=1)
+        agree = int((x.argmax(1) == ref.argmax(1)).sum())
+        print(f"xcheck {shape} {f[len(shape)+1:-4]} vs legacy: {len(rel)} teacher-forced steps, max rel L2 {rel.max():.3e}, "
+              f"median {np.median(rel):.3e}, argmax agree {agree}/{len(rel)} -> {'PASS' if rel.max() < 1e-2 else 'FAIL'}")
+PY
+      ;;
     demo)
       run "$q" --preset tiny --demo --mode both
       run "$q" --preset qwen3-0.6b --batch 3 --random-prompt 12 --gen 40 --mode both
       run "$q" --preset tiny --batch 80 --gen 4 --no-eager-fallback ;;  # must fail: batch > bucket
     bench)
-      run "$q" --preset qwen3-0.6b --bench --random-prompt 16 --gen 128 --bench-batches 1,8,32,64 \
+      run timeout 150 "$q" --preset qwen3-0.6b --bench --random-prompt 16 --gen 128 --bench-batches 1,2,4,8,32,64 \
         --kv-mem-mb 4096 --json "$out/bench_qwen3-0.6b.json"
-      run "$q" --preset qwen3-4b --bench --random-prompt 16 --gen 128 --bench-batches 1,8,32,64 \
+      run timeout 150 "$q" --preset qwen3-4b --bench --random-prompt 16 --gen 128 --bench-batches 1,2,4,8,32,64 \
         --kv-mem-mb 8192 --json "$out/bench_qwen3-4b.json" ;;
     bench1)  # batch-1 only (quick re-measure after a kernel change)
       run "$q" --preset qwen3-0.6b --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
@@ -68,8 +100,8 @@ for s in $stages; do
       vdir=$(mktemp -d)
       for shape in qwen3-0.6b qwen3-4b; do
         kv=4096; [ $shape = qwen3-4b ] && kv=8192
-        for v in "legacy" "legacy8" "phase" "layer" "step" "step --stream-tile-kb 24" "step --stream-tile-kb 64" \
-                 "step --stream-slots 3"; do
+        for v in "legacy" "phase" "layer" "step" "step --stream-tile-kb 16" "step --stream-tile-kb 24" \
+                 "step --stream-tile-kb 64" "step --stream-slots 4"; do
           tag=$(echo "$v" | tr -d ' -' | sed 's/streamtilekb/t/; s/streamslots/s/')
           run timeout 120 "$q" --preset $shape --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb $kv \
             --kernels $v --json "$vdir/${shape}_${tag}.json"

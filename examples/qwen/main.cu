@@ -187,7 +187,12 @@ int main(int argc, char** argv) {
   const char* kernels_env = std::getenv("QWEN_KERNELS");
   std::string kernels_s =
       kernels_env != nullptr && *kernels_env != '\0' ? kernels_env : decode_kernels_name(EngineOptions{}.kernels);
-  int stream_tile_kb = 40, stream_slots = 8;
+  auto env_int = [](const char* name, int dflt) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::atoi(v) : dflt;
+  };
+  int stream_tile_kb = env_int("QWEN_STREAM_TILE_KB", EngineOptions{}.stream_tile_bytes / 1024);
+  int stream_slots = env_int("QWEN_STREAM_SLOTS", EngineOptions{}.stream_max_slots);
   std::uint64_t seed = 1234;
   app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny (random weights)");
   app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
@@ -215,8 +220,9 @@ int main(int argc, char** argv) {
                  "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default): step "
                  "(streaming kernel, one launch per step), layer, phase, legacy (one GEMV kernel per matrix), "
                  "legacy8 (8 loads in flight)");
-  app.add_option("--stream-tile-kb", stream_tile_kb, "streaming kernel: weight KiB per work item (about)");
-  app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most (2..8)");
+  app.add_option("--stream-tile-kb", stream_tile_kb,
+                 "streaming kernel: weight KiB per work item, about (default: $QWEN_STREAM_TILE_KB or 40)");
+  app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most, 2..8 (default: $QWEN_STREAM_SLOTS or 8)");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 

@@ -293,9 +293,14 @@ template <int B, int D, int G>
 __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, const StreamPhase& ph, int local,
                                float* scratch, bool fresh, int tid, int lane, int warp) {
   constexpr int E = D / 64;
-  constexpr int DPL = D / 8;   // dims per lane
+  // LPT lanes per token (8; 16 when G * D is large, so that q and the accumulators of the G heads fit
+  // in the 168 registers a 9-warp block allows), DPL dims per lane, TPW tokens per warp and round.
+  constexpr int LPT = G * D > 256 ? 16 : 8;
+  constexpr int DPL = D / LPT;
   constexpr int NV = DPL / 8;  // uint4 per lane per token
+  constexpr int TPW = 32 / LPT;
   constexpr int T = 2;         // tokens per lane group per round
+  static_assert(NV >= 1, "at least one 16-byte load per lane and token");
   const KvPool& kv = L.kv;
   const RowMeta& meta = L.meta;
   const int r = local / kv.kv_heads, kvh = local % kv.kv_heads;
@@ -312,13 +317,13 @@ __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, co
   // `gph` (global) before the wait; `ph` (the shared copy) is visible after it.
   bf16* kbase = kv.base + std::size_t(gph.layer) * kv.layer_stride();
   bf16* vbase = kbase + kv.kv_stride();
-  const int sub = lane & 7, grp = lane >> 3;
+  const int sub = lane % LPT, grp = lane / LPT;
 
   uint4 kr[T][NV], vr[T][NV];
   auto load_old = [&](int base) {
 #pragma unroll
     for (int u = 0; u < T; ++u) {
-      const int t = base + u * kSW * 4 + grp;
+      const int t = base + u * kSW * TPW + grp;
       if (t < pos) {
         const int blk = table[t / kv.block_size];
         const std::size_t o =
@@ -334,7 +339,7 @@ __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, co
       }
     }
   };
-  load_old(warp * 4);
+  load_old(warp * TPW);
   if (fresh) ready(L, gph.wait, static_cast<unsigned>(gph.wait_items), tid);
   else compute_sync();  // the shared descriptor and scratch: lined up with the previous item
 
@@ -385,11 +390,11 @@ __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, co
 #pragma unroll
     for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
   }
-  for (int base = warp * 4; base < seq_len; base += kSW * 4 * T) {
-    if (base != warp * 4) load_old(base);
+  for (int base = warp * TPW; base < seq_len; base += kSW * TPW * T) {
+    if (base != warp * TPW) load_old(base);
 #pragma unroll
     for (int u = 0; u < T; ++u) {
-      const int t = base + u * kSW * 4 + grp;
+      const int t = base + u * kSW * TPW + grp;
       float kf[DPL], vf[DPL];
       if (t == pos) {
 #pragma unroll
@@ -404,9 +409,8 @@ __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, co
         float d = 0.f;
 #pragma unroll
         for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        d += __shfl_xor_sync(0xffffffffu, d, 4);
+#pragma unroll
+        for (int o = 1; o < LPT; o <<= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
         s[h] = d;
       }
       if (t < seq_len) {
@@ -423,9 +427,9 @@ __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, co
       }
     }
   }
-  // Combine the 4 lane groups of the warp, then the warps.
+  // Combine the lane groups of the warp, then the warps.
 #pragma unroll
-  for (int o = 8; o <= 16; o <<= 1) {
+  for (int o = LPT; o < 32; o <<= 1) {
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
@@ -601,7 +605,7 @@ __device__ void compute(const StreamLaunch& L, unsigned char* smem, Shared<B>& s
 }
 
 template <int B, int D, int G>
-__global__ void __maxnreg__(224) stream_kernel(const StreamLaunch L) {
+__global__ void __launch_bounds__(kSThreads, 1) stream_kernel(const StreamLaunch L) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ Shared<B> sh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -695,7 +699,11 @@ StreamGeometry stream_geometry(int rows, int head_dim, int group, int slot_bytes
   REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
   int per_sm = 0;
   REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kSThreads, g.smem));
-  g.grid = (per_sm < 1 ? 1 : per_sm) * num_sms;
+  if (per_sm < 1)
+    throw replay::usage_error(fmt::format("qwen::stream_geometry: a block ({} threads, {} registers each, {} B shared) "
+                                          "does not fit on a multiprocessor",
+                                          kSThreads, fa.numRegs, g.smem + fa.sharedSizeBytes));
+  g.grid = per_sm * num_sms;
   return g;
 }
 

@@ -17,24 +17,45 @@ using namespace qwen;
 
 namespace {
 
-/// Kernel variants under test: $QWEN_TEST_KERNELS (comma-separated names) or all of them.
-std::vector<decode_kernels> test_variants() {
-  const char* env = std::getenv("QWEN_TEST_KERNELS");
-  std::vector<decode_kernels> v;
-  if (env == nullptr || *env == '\0') {
-    v = {decode_kernels::legacy, decode_kernels::legacy_u8, decode_kernels::stream_phase, decode_kernels::stream_layer,
-         decode_kernels::stream_step};
-  } else {
-    std::stringstream ss(env);
-    std::string item;
-    while (std::getline(ss, item, ',')) v.push_back(parse_decode_kernels(item));
-  }
+/// A decode-kernel variant: kernels, and for the streaming kernel the tile bytes and ring slots
+/// (small tiles give GEMV items of 1, 2 or 4 rows, the path where several warps share a row).
+struct Variant {
+  decode_kernels kernels = decode_kernels::stream_step;
+  int tile = EngineOptions{}.stream_tile_bytes;
+  int slots = EngineOptions{}.stream_max_slots;
+  std::string name = "step";
+};
+
+/// "name[:tile bytes[:slots]]"
+Variant parse_variant(const std::string& s) {
+  Variant v;
+  v.name = s;
+  std::stringstream ss(s);
+  std::string part;
+  std::getline(ss, part, ':');
+  v.kernels = parse_decode_kernels(part);
+  if (std::getline(ss, part, ':')) v.tile = std::stoi(part);
+  if (std::getline(ss, part, ':')) v.slots = std::stoi(part);
   return v;
 }
 
-EngineOptions small_opts(decode_kernels k = decode_kernels::stream_step) {
+/// Variants under test: $QWEN_TEST_KERNELS (comma-separated) or all of them.
+std::vector<Variant> test_variants() {
+  const char* env = std::getenv("QWEN_TEST_KERNELS");
+  const std::string list =
+      env != nullptr && *env != '\0' ? env : "legacy,legacy8,phase,layer,step,step:2048:2,step:1024,layer:1024:3";
+  std::vector<Variant> v;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(parse_variant(item));
+  return v;
+}
+
+EngineOptions small_opts(const Variant& k = Variant{}) {
   EngineOptions o;
-  o.kernels = k;
+  o.kernels = k.kernels;
+  o.stream_tile_bytes = k.tile;
+  o.stream_max_slots = k.slots;
   o.max_batch = 16;
   o.max_bucket = 16;
   o.kv_budget_bytes = 64ull << 20;
@@ -81,8 +102,8 @@ std::vector<int> prompt_of(int len, int salt, int vocab) {
 }  // namespace
 
 TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV and GEMM buckets)") {
- for (const auto kern : test_variants()) {
-  CAPTURE(decode_kernels_name(kern));
+ for (const auto& kern : test_variants()) {
+  CAPTURE(kern.name);
   Engine e(preset("tiny"), small_opts(kern), nullptr);
   MESSAGE(e.describe_kernels());
   const int V = e.config().vocab_size;
@@ -99,26 +120,28 @@ TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV a
   const auto st = e.graph_stats();
   CHECK(st.captures == 3);
   CHECK(st.replays == 60);
-  if (kern == decode_kernels::legacy || kern == decode_kernels::legacy_u8) CHECK(st.nodes_per_bucket.at(1) > 4 * 4);
+  if (kern.kernels == decode_kernels::legacy || kern.kernels == decode_kernels::legacy_u8)
+    CHECK(st.nodes_per_bucket.at(1) > 4 * 4);
   else CHECK(st.nodes_per_bucket.at(1) >= 1);
  }
 }
 
-TEST_CASE("the streaming kernels compute what the per-matrix kernels compute") {
-  // Same weights, same prompts; logits compared step by step while the greedy tokens agree (a
-  // different summation order may flip a near-tie, after which the sequences legitimately differ).
-  Engine ref(preset("tiny"), small_opts(decode_kernels::legacy), nullptr);
+/// Same weights, same prompts: logits of every variant against the per-matrix (legacy) kernels, step
+/// by step while the greedy tokens agree (a different summation order may flip a near-tie, after
+/// which the sequences legitimately differ).
+void cross_check(const Config& cfg) {
+  Engine ref(cfg, small_opts(parse_variant("legacy")), nullptr);
   const int V = ref.config().vocab_size;
   for (int batch : {1, 3}) {
     std::vector<std::vector<int>> prompts;
     for (int i = 0; i < batch; ++i) prompts.push_back(prompt_of(6 + 5 * i, 10 + i, V));
     std::vector<float> lr;
     const auto tr = generate(ref, prompts, 12, true, &lr);
-    for (const auto kern : test_variants()) {
-      if (kern == decode_kernels::legacy) continue;
-      CAPTURE(decode_kernels_name(kern));
+    for (const auto& kern : test_variants()) {
+      if (kern.kernels == decode_kernels::legacy) continue;
+      CAPTURE(kern.name);
       CAPTURE(batch);
-      Engine e(preset("tiny"), small_opts(kern), nullptr);
+      Engine e(cfg, small_opts(kern), nullptr);
       std::vector<float> lv;
       const auto tv = generate(e, prompts, 12, true, &lv);
       int compared = 0;
@@ -136,16 +159,28 @@ TEST_CASE("the streaming kernels compute what the per-matrix kernels compute") {
         worst = std::max(worst, std::sqrt(num / den));
         ++compared;
       }
-      MESSAGE(decode_kernels_name(kern) << " batch " << batch << ": " << compared << " steps compared, worst rel L2 " << worst);
+      MESSAGE(cfg.name << " " << kern.name << " batch " << batch << ": " << compared << " steps compared, worst rel L2 "
+                       << worst << "; " << e.describe_kernels());
       CHECK(compared >= 1);
       CHECK(worst < 1e-3);
     }
   }
 }
 
+TEST_CASE("the streaming kernels compute what the per-matrix kernels compute") { cross_check(preset("tiny")); }
+
+TEST_CASE("... also with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention)") {
+  Config c = preset("tiny");
+  c.name = "tiny_hd128_g4";
+  c.vocab_size = 4096, c.hidden_size = 512, c.intermediate_size = 1024, c.num_hidden_layers = 3;
+  c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 128;
+  c.validate();
+  cross_check(c);
+}
+
 TEST_CASE("padding rows and other sequences do not disturb a sequence (paged KV isolation)") {
- for (const auto kern : test_variants()) {
-  CAPTURE(decode_kernels_name(kern));
+ for (const auto& kern : test_variants()) {
+  CAPTURE(kern.name);
   Engine e(preset("tiny"), small_opts(kern), nullptr);
   const int V = e.config().vocab_size;
   const auto a = prompt_of(9, 1, V);
@@ -158,8 +193,8 @@ TEST_CASE("padding rows and other sequences do not disturb a sequence (paged KV 
 }
 
 TEST_CASE("prefill and token-by-token decode agree on the last prompt token") {
- for (const auto kern : test_variants()) {
-  CAPTURE(decode_kernels_name(kern));
+ for (const auto& kern : test_variants()) {
+  CAPTURE(kern.name);
   Engine e(preset("tiny"), small_opts(kern), nullptr);
   const int V = e.config().vocab_size;
   const auto p = prompt_of(40, 5, V);  // > prefill_chunk: two chunks
