@@ -106,6 +106,8 @@ PY
           run timeout 120 "$q" --preset $shape --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb $kv \
             --kernels $v --json "$vdir/${shape}_${tag}.json"
         done
+        QWEN_STREAM_TRACE=1 run timeout 120 "$q" --preset $shape --bench --random-prompt 16 --gen 128 --bench-batches 1 \
+          --kv-mem-mb $kv --kernels step --json "$vdir/${shape}_steptrace.json"
       done
       python3 - "$vdir" "$out/variants.md" <<'PY' | tee -a "$log"
 import json, os, sys
@@ -118,6 +120,10 @@ for f in sorted(os.listdir(d)):
     shape, tag = f[:-5].split("_", 1)
     rows.append(f"| {shape} | {tag} | {b['eager']['tpot_ms']:.3f} | {b['graph']['tpot_ms']:.3f} | "
                 f"{b['graph']['pct_d2d']:.1f} | {j['bench']['d2d_GBps']:.0f} | {j['kernels']} |")
+for f in sorted(os.listdir(d)):
+    j = json.load(open(os.path.join(d, f)))
+    if "stream_trace" in j["bench"]:
+        rows.append(f"\n{f[:-5]}: {j['bench']['stream_trace']}")
 open(dst, "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY

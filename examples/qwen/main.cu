@@ -250,6 +250,7 @@ int main(int argc, char** argv) {
     opt.kernels = parse_decode_kernels(kernels_s);
     opt.stream_tile_bytes = stream_tile_kb * 1024;
     opt.stream_max_slots = stream_slots;
+    opt.stream_trace = env_int("QWEN_STREAM_TRACE", 0) != 0;
 
     std::vector<int> prompt;
     if (!prompt_s.empty()) prompt = parse_ids(prompt_s);
@@ -413,6 +414,10 @@ int main(int argc, char** argv) {
                                      {"pct_d2d", 100.0 * wbytes / tpot / bw}};
       }
       out["bench"]["d2d_GBps"] = bw / 1e9;
+      if (const std::string tr = eng.stream_trace_summary(1); !tr.empty()) {
+        fmt::print("{}\n", tr);
+        out["bench"]["stream_trace"] = tr;
+      }
       out["bench"]["weight_bytes_per_step"] = wbytes;
       fmt::print("{}", t.markdown());
 

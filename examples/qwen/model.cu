@@ -87,6 +87,8 @@ struct Engine::Impl {
     replay::device_buffer<unsigned> counters;  // [ticket, exited] per launch, then completed items per phase
     std::vector<StreamLaunch> launches;
     StreamGeometry geo;
+    std::vector<int> kinds;                                // per phase: 0 embed, 1 QKV, 2 attention, 3 O, 4 gate/up, 5 down, 6 lm_head
+    replay::device_buffer<unsigned long long> trace;       // per phase completion time (opt.stream_trace)
   };
   std::map<int, StreamProgram> programs;  // by bucket; empty for the legacy kernels
 
@@ -309,6 +311,14 @@ struct Engine::Impl {
     }
     const int G = static_cast<int>(groups.size());
     StreamProgram prog;
+    prog.kinds.push_back(0);
+    for (int l = 0; l < L; ++l)
+      for (int k = 1; k <= 5; ++k) prog.kinds.push_back(k);
+    prog.kinds.push_back(6);
+    if (opt.stream_trace) {
+      prog.trace = replay::device_buffer<unsigned long long>(ph.size());
+      REPLAY_CHECK(cudaMemset(prog.trace.data(), 0, prog.trace.size_bytes()));
+    }
     prog.counters = replay::device_buffer<unsigned>(2 * std::size_t(G) + P);
     REPLAY_CHECK(cudaMemset(prog.counters.data(), 0, prog.counters.size_bytes()));
     std::vector<unsigned> totals;
@@ -339,6 +349,7 @@ struct Engine::Impl {
       Lc.kv = kv;
       Lc.slot_bytes = prog.geo.slot_bytes;
       Lc.slots = prog.geo.slots;
+      Lc.trace = opt.stream_trace ? prog.trace.data() : nullptr;
       prog.launches.push_back(Lc);
     }
     return prog;
@@ -501,6 +512,31 @@ GraphStats Engine::graph_stats() const {
 }
 replay::pool_stats Engine::pool_stats() const { return impl_->runner->stats(); }
 std::string Engine::describe_kernels() const { return impl_->describe_kernels(); }
+
+std::string Engine::stream_trace_summary(int bucket) const {
+  const auto& m = *impl_;
+  auto it = m.programs.find(bucket);
+  if (it == m.programs.end() || it->second.trace.size() == 0) return {};
+  const auto& prog = it->second;
+  std::vector<unsigned long long> t(prog.trace.size());
+  REPLAY_CHECK(cudaMemcpy(t.data(), prog.trace.data(), prog.trace.size_bytes(), cudaMemcpyDeviceToHost));
+  static const char* names[] = {"embed", "qkv", "attention", "o", "gate/up", "down", "lm_head"};
+  std::vector<std::vector<double>> d(7);
+  for (std::size_t p = 1; p < t.size(); ++p)
+    d[prog.kinds[p]].push_back(static_cast<double>(static_cast<long long>(t[p] - t[p - 1])) * 1e-3);
+  std::string s = fmt::format("phase completion gaps (last step, bucket {}): embed -> lm_head done {:.1f} us", bucket,
+                              static_cast<double>(static_cast<long long>(t.back() - t.front())) * 1e-3);
+  for (int k = 1; k <= 6; ++k) {
+    auto v = d[k];
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    double sum = 0;
+    for (double x : v) sum += x;
+    s += fmt::format("; {}: median {:.2f} us, min {:.2f}, max {:.2f}, sum {:.1f}", names[k], v[v.size() / 2], v.front(),
+                     v.back(), sum);
+  }
+  return s;
+}
 std::size_t Engine::weight_bytes() const { return impl_->weights.size_bytes(); }
 std::size_t Engine::kv_pool_bytes() const { return impl_->kv_pool.size_bytes(); }
 std::size_t Engine::buffer_bytes() const {

@@ -108,6 +108,9 @@ class Engine {
   [[nodiscard]] replay::pool_stats pool_stats() const;
   /// Which decode kernels buckets of 1..4 rows run (and the streaming kernel's geometry per bucket).
   [[nodiscard]] std::string describe_kernels() const;
+  /// With EngineOptions::stream_trace: the streaming kernel's phase completion gaps of the bucket's last
+  /// step, summarised per phase kind (empty otherwise).
+  [[nodiscard]] std::string stream_trace_summary(int bucket) const;
   [[nodiscard]] std::size_t weight_bytes() const;   ///< device bytes of all weights
   [[nodiscard]] std::size_t kv_pool_bytes() const;  ///< device bytes of the KV pool
   [[nodiscard]] std::size_t buffer_bytes() const;   ///< activations, logits, metadata, workspace

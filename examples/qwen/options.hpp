@@ -56,6 +56,7 @@ struct EngineOptions {
   decode_kernels kernels = decode_kernels::legacy;  ///< decode kernels of buckets 1..4
   int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
   int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
+  bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {

@@ -96,6 +96,11 @@ __device__ __forceinline__ void fence_acquire() { asm volatile("fence.acq_rel.gp
 __device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ unsigned atom_release_add(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 /// Barrier of the 8 compute warps only (the control warp runs on its own).
 __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 /// Orders this thread's generic-proxy shared-memory writes before later bulk copies into the same bytes.
@@ -547,7 +552,12 @@ __device__ void control(const StreamLaunch& L, unsigned char* smem, Shared<B>& s
     // Item j + 1 is in the ring already (nfill >= j + slots while not ended) or is the end marker.
     const int pn = j + 1 < nfill ? sh.phase[(j + 1) % S] : -1;
     if (pn != p) {
-      if (L.phases[p].signal) red_release_add(L.done + p, run);
+      if (L.trace != nullptr) {
+        if (atom_release_add(L.done + p, run) + run == static_cast<unsigned>(L.phases[p].items))
+          L.trace[p] = global_ns();
+      } else if (L.phases[p].signal) {
+        red_release_add(L.done + p, run);
+      }
       run = 0;
     }
     if (!ended) {

@@ -74,6 +74,9 @@ struct StreamLaunch {
   KvPool kv;
   int slot_bytes = 0;  ///< bytes of one ring slot (multiple of 128)
   int slots = 0;       ///< ring slots (2..8)
+  /// Optional (diagnostics): per program phase, the %globaltimer (ns) when its last item completed.
+  /// Every phase is then counted with a returning atomic (slightly slower).
+  unsigned long long* trace = nullptr;
 };
 
 /// Shared-memory plan and grid of the streaming kernel for `rows` rows.
