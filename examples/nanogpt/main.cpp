@@ -54,7 +54,8 @@ struct Options {
   int repeats = 20;
   bool json_out = false;
   bool no_pdl = false;
-  bool meta_in_graph = false;
+  std::string meta = "mapped";
+  bool null_kernels = false;
   std::string parity_dump;
   int prefill_len = 0;
 };
@@ -278,12 +279,18 @@ int run_bench(Model& model, const Options& o, json& out) {
   for (const auto& c : sweeps) add4(c);
   fmt::print("{}\n", t4.markdown());
 
-  fmt::print("Back to back (no per-step sync, 2000 steps): eager {:.2f} µs/step (launch-bound), graph {:.2f} "
-             "µs/step (GPU time of one replay)\n",
-             b2b[0], b2b[1]);
-  fmt::print("medium_generation per step: eager {:.2f} µs, graph {:.2f} µs, {:.2f}x; eager vs graph token "
-             "mismatches: {}\n",
-             step_eager, step_graph, step_eager / step_graph, mismatches);
+  if (o.meta == "mapped")
+    fmt::print("Back to back (2000 steps; with mapped metadata each step waits for the previous one): eager {:.2f} "
+               "µs/step, graph {:.2f} µs/step\n",
+               b2b[0], b2b[1]);
+  else
+    fmt::print("Back to back (no per-step sync, 2000 steps): eager {:.2f} µs/step (launch-bound), graph {:.2f} "
+               "µs/step (GPU time of one replay)\n",
+               b2b[0], b2b[1]);
+  fmt::print("medium_generation per step [PDL {}, meta {}{}]: eager {:.2f} µs, graph {:.2f} µs, {:.2f}x; "
+             "eager vs graph token mismatches: {}\n",
+             o.no_pdl ? "off" : "on", o.meta, o.null_kernels ? ", null kernels" : "", step_eager, step_graph,
+             step_eager / step_graph, mismatches);
   return mismatches == 0 ? 0 : 3;
 }
 
@@ -340,8 +347,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--json", o.json_out, "print machine-readable JSON instead of text");
   app.add_flag("--no-pdl", o.no_pdl, "launch without programmatic dependent launch");
-  app.add_flag("--meta-in-graph", o.meta_in_graph,
-               "graph mode: copy the step metadata inside the graph (capture_copy) instead of pushing it");
+  app.add_option("--meta", o.meta,
+                 "how the step metadata reaches the kernels: push (a copy before each step), graph-copy (graph "
+                 "mode: a copy node inside the graph), mapped (the kernels read pinned host memory)")
+      ->check(CLI::IsMember({"push", "graph-copy", "mapped"}))
+      ->capture_default_str();
+  app.add_flag("--null-kernels", o.null_kernels,
+               "diagnostics: decode steps launch 10 kernels that do no model work (the floor of the step machinery)");
   app.add_option("--parity-dump", o.parity_dump, "write prefill + teacher-forced decode logits of the prompt as "
                                                  "JSON (for parity.py)");
   app.add_option("--prefill-len", o.prefill_len, "--parity-dump: prompt tokens prefilled (default half)");
@@ -374,7 +386,13 @@ int main(int argc, char** argv) {
 
     // ---- GPU ------------------------------------------------------------------------------
     const std::string device = nanogpt::require_device();
-    Model model(weights, nanogpt::ModelOptions{.pdl = !o.no_pdl, .meta_in_graph = o.meta_in_graph});
+    const nanogpt::ModelOptions options{
+        .pdl = !o.no_pdl,
+        .meta = o.meta == "push" ? nanogpt::MetaPath::push
+                : o.meta == "graph-copy" ? nanogpt::MetaPath::graph_copy
+                                         : nanogpt::MetaPath::mapped,
+        .null_kernels = o.null_kernels};
+    Model model(weights, options);
 
     if (!o.parity_dump.empty()) return run_parity_dump(model, o, prompt);
 
@@ -382,14 +400,15 @@ int main(int argc, char** argv) {
                 {"weights", weights.source},
                 {"parameters", nanogpt::parameter_count()},
                 {"pdl", !o.no_pdl},
-                {"meta_in_graph", o.meta_in_graph},
+                {"meta", o.meta},
+                {"null_kernels", o.null_kernels},
                 {"kernels_per_decode_step", Model::kernels_per_decode_step},
                 {"kernels_per_prefill", Model::kernels_per_prefill}};
     if (!o.json_out) {
       if (!note.empty()) fmt::print("{}\n", note);
-      fmt::print("nanogpt on {}: {} ({} parameters), {} kernels per decode step, PDL {}, step metadata {}\n", device,
-                 weights.source, nanogpt::parameter_count(), Model::kernels_per_decode_step, o.no_pdl ? "off" : "on",
-                 o.meta_in_graph ? "copied inside the graph" : "pushed before each replay");
+      fmt::print("nanogpt on {}: {} ({} parameters), {} {}kernels per decode step, PDL {}, step metadata: {}\n",
+                 device, weights.source, nanogpt::parameter_count(), Model::kernels_per_decode_step,
+                 o.null_kernels ? "EMPTY (--null-kernels) " : "", o.no_pdl ? "off" : "on", o.meta);
       if (!o.bench)
         fmt::print("prompt {} ({} tokens), {} new tokens, seed {}, {}\n\n", show_text(o.prompt), prompt.size(), o.tokens,
                    o.seed, o.greedy ? std::string("greedy") : fmt::format("temperature {}", o.temperature));

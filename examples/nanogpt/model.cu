@@ -9,11 +9,18 @@
 //     ffn_block_kernel        x += fc2(ReLU(fc1(LN2(x))))
 //   lm_head_sample_kernel   logits = lm_head(LN_f(x)); token = sample(logits)    → pinned host slot
 //
-// Every kernel is one thread block of 128 threads (4 warps). The residual stream is 32 wide, so one
-// row of it is one element per lane of a warp: a LayerNorm is two warp reductions, a matrix-vector
-// product is one output row per thread with the input broadcast by warp shuffles. Each kernel is
-// one transformer sublayer; the fusion inside a sublayer (LN + matvec + residual) is what keeps a
-// step at 10 kernels instead of the ~50 of the seed's PyTorch code.
+// Every kernel is one thread block of 128 threads (4 warps) and one transformer sublayer. A decode
+// step is a chain of 10 dependent single-block kernels, so its time is the sum of 10 chains of
+// dependent latencies, not bandwidth or arithmetic: each kernel is written to do as little as
+// possible between the moment its input is ready and the moment its output is written.
+//   - Before waiting for the previous kernel (programmatic dependent launch), a kernel loads
+//     everything that does not depend on it: its weights, the step metadata, the KV-cache slots of
+//     earlier steps. It also folds the LayerNorm's scale and shift into its weight row.
+//   - After the wait, every thread loads the whole 32-wide residual row into registers and
+//     normalises it itself (sums in registers, no shuffles, no barrier), then computes its output
+//     row of the linear layer as one 32-wide dot product in registers.
+//   - Attention: warp h is head h; lanes 0-7 / 8-15 / 16-23 compute the head's query / key / value,
+//     shuffles hand them to every lane, lane l scores the cache slots l and l + 32.
 //
 // Per-step values (token, position, sequence length, sampling settings) are read from StepMeta
 // through a pointer, never passed by value: a graph captured once replays correctly at any
@@ -75,14 +82,17 @@ struct Buffers {
   float* logits;               // [vocab_size] of the last position processed
   const std::int32_t* prompt;  // [block_size] prompt token ids (step_meta_array, prefill only)
   std::int32_t* token_out;     // pinned host memory: the sampled token
+  unsigned* counter;           // ModelOptions::null_kernels: the counter the empty kernels increment
 };
 
 constexpr int kThreads = 128;  // 4 warps per block
 constexpr int kWarps = kThreads / 32;
 static_assert(kWarps == C::n_head, "attention maps one warp to one head");
+static_assert(C::head_size == 8, "lanes 0-7 / 8-15 / 16-23 of a warp compute one head's query / key / value");
 static_assert(C::ffn_hidden == kThreads, "fc1 maps one hidden unit to one thread");
 static_assert(C::vocab_size <= kThreads && 3 * C::n_embd <= kThreads);
 constexpr int kCacheLayer = C::n_head * C::block_size * C::head_size;  // floats per layer per K/V
+constexpr int kStages = 2 + 2 * C::n_layer;                           // kernels per decode step
 
 /// Which rows a kernel works on: one token (decode, row 0) or the prompt (prefill, one block each).
 enum class Phase { decode, prefill };
@@ -92,14 +102,15 @@ enum class Phase { decode, prefill };
 // ============================================================================================
 
 /// Programmatic dependent launch: let the next kernel in the stream start (it runs its prologue and
-/// then waits in pdl_wait). A no-op for kernels launched without the PDL attribute.
+/// then waits for this one). A no-op for kernels launched without the PDL attribute.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-/// Wait until the previous kernel in the stream has finished and its writes are visible. Everything
-/// before this call may only read constants (weights).
+/// Wait until the previous kernel in the stream has completed and its writes are visible. A no-op
+/// when there is none (plain launch, or the previous stream operation was not a kernel). Everything
+/// a kernel does before this call may only read what the previous kernel does not write.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -109,107 +120,52 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & 31; }
 __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x) >> 5; }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-/// 32 consecutive weights (one row of a [*, 32] matrix, or a 32-wide slice) in registers.
+/// 32 consecutive floats (a residual-stream row, or one row of a [*, 32] weight matrix) in registers.
 struct Row32 {
   float4 v[8];
 };
+/// Weights, loaded before the PDL wait. An ordinary cached load (ld.global.ca), not the read-only
+/// path (__ldg, ld.global.nc): ptxas moves read-only loads past griddepcontrol.wait to save
+/// registers, which puts them on the critical path; it keeps ordinary loads where they are.
+__device__ __forceinline__ float load_weight(const float* w) { return __ldca(w); }
+__device__ __forceinline__ float4 load_weight(const float4* w) { return __ldca(w); }
 __device__ __forceinline__ Row32 load_row32(const float* w) {
   const float4* p = reinterpret_cast<const float4*>(w);
   Row32 r;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) r.v[i] = __ldg(p + i);
+  for (int i = 0; i < 8; ++i) r.v[i] = load_weight(p + i);
+  return r;
+}
+/// Activations written by the previous kernel (on another SM): read from L2.
+__device__ __forceinline__ Row32 load_activations(const float* x) {
+  const float4* p = reinterpret_cast<const float4*>(x);
+  Row32 r;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) r.v[i] = __ldcg(p + i);
   return r;
 }
 
-/// dot(row, v) where v[j] is held by lane j of this warp. All 32 lanes must call it.
-__device__ __forceinline__ float dot_lanes(const Row32& r, float v) {
-  float acc = 0.0f;
+/// Sum of the 32 elements, as a tree (depth 5 instead of a chain of 31 additions).
+__device__ __forceinline__ float sum32(const Row32& a) {
+  float s[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    acc = fmaf(r.v[i].x, __shfl_sync(0xffffffffu, v, 4 * i + 0), acc);
-    acc = fmaf(r.v[i].y, __shfl_sync(0xffffffffu, v, 4 * i + 1), acc);
-    acc = fmaf(r.v[i].z, __shfl_sync(0xffffffffu, v, 4 * i + 2), acc);
-    acc = fmaf(r.v[i].w, __shfl_sync(0xffffffffu, v, 4 * i + 3), acc);
-  }
-  return acc;
+  for (int i = 0; i < 8; ++i) s[i] = (a.v[i].x + a.v[i].y) + (a.v[i].z + a.v[i].w);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
-
-/// LayerNorm of a 32-wide row held one element per lane (PyTorch semantics: biased variance, eps
-/// inside the square root). Returns this lane's normalised, scaled and shifted element.
-__device__ __forceinline__ float layer_norm_lane(float x, float gamma, float beta) {
-  const float mean = warp_sum(x) * (1.0f / C::n_embd);
-  const float d = x - mean;
-  const float var = warp_sum(d * d) * (1.0f / C::n_embd);
-  return d * rsqrtf(var + C::ln_eps) * gamma + beta;
-}
-
-/// The weights one thread needs for the QKV projection, loaded before waiting on the previous kernel.
-struct QkvPrefetch {
-  Row32 w;      // row min(tid, 95) of qkv_w
-  float gamma;  // ln1_w[lane]
-  float beta;   // ln1_b[lane]
-};
-__device__ __forceinline__ QkvPrefetch prefetch_qkv(const LayerParams& p) {
-  const int row = min(static_cast<int>(threadIdx.x), 3 * C::n_embd - 1);
-  return {load_row32(p.qkv_w + row * C::n_embd), __ldg(p.ln1_w + lane_id()), __ldg(p.ln1_b + lane_id())};
-}
-
-/// QKV sublayer part for one token: q = LN1(x) Wq^T goes to q_out[32]; k and v go into the cache
-/// slot `pos` of every head (and, when kv_out is given, to kv_out[0..63] = k then v, for the
-/// decode kernel's own use). Called by all 128 threads; warps 0-2 each produce 32 of the 96 outputs.
-__device__ __forceinline__ void qkv_phase(const QkvPrefetch& w, const float* x_row, int pos, float* q_out,
-                                          float* k_layer, float* v_layer, float* kv_out) {
-  const float xn = layer_norm_lane(x_row[lane_id()], w.gamma, w.beta);
-  const float out = dot_lanes(w.w, xn);
-  const int r = static_cast<int>(threadIdx.x);
-  if (r < C::n_embd) {
-    q_out[r] = out;
-  } else if (r < 3 * C::n_embd) {
-    const int c = (r - C::n_embd) % C::n_embd;  // column within k or v
-    const int head = c / C::head_size;
-    float* cache = r < 2 * C::n_embd ? k_layer : v_layer;
-    cache[(head * C::block_size + pos) * C::head_size + c % C::head_size] = out;
-    if (kv_out != nullptr) kv_out[r - C::n_embd] = out;
-  }
-}
-
-/// The keys and values one lane scores: cache slots `lane` and `lane + 32` of one head.
-struct KvRows {
-  float4 k[2][2];  // [slot i][half]: slot lane + 32 i, elements 0-3 and 4-7
-  float4 v[2][2];
-};
-
-/// Loads the slots 0..last of one head's cache (others zero). `last` may be -1 (nothing).
-__device__ __forceinline__ KvRows load_kv_rows(const float* k_head, const float* v_head, int last) {
-  KvRows r;
+/// dot(a, b) of two register rows: 8 independent chains of 4 FMAs, then a tree.
+__device__ __forceinline__ float dot32(const Row32& a, const Row32& b) {
+  float s[8];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int j = lane_id() + 32 * i;
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    r.k[i][0] = r.k[i][1] = r.v[i][0] = r.v[i][1] = zero;
-    if (j <= last) {
-      const float4* k4 = reinterpret_cast<const float4*>(k_head + j * C::head_size);
-      const float4* v4 = reinterpret_cast<const float4*>(v_head + j * C::head_size);
-      r.k[i][0] = k4[0];
-      r.k[i][1] = k4[1];
-      r.v[i][0] = v4[0];
-      r.v[i][1] = v4[1];
-    }
-  }
-  return r;
+  for (int i = 0; i < 8; ++i)
+    s[i] = fmaf(a.v[i].w, b.v[i].w, fmaf(a.v[i].z, b.v[i].z, fmaf(a.v[i].y, b.v[i].y, a.v[i].x * b.v[i].x)));
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
-
 __device__ __forceinline__ float dot8(float4 qa, float4 qb, float4 ka, float4 kb) {
   float s = qa.x * ka.x;
   s = fmaf(qa.y, ka.y, s);
@@ -221,170 +177,262 @@ __device__ __forceinline__ float dot8(float4 qa, float4 qb, float4 ka, float4 kb
   return fmaf(qb.w, kb.w, s);
 }
 
-/// Causal attention of one head for one query at position `pos`, over cache slots 0..pos (the
-/// slots after pos are masked out, exactly like the seed's `kv_indices <= cache_pos`). `kv` holds
-/// the slots this lane scores. Called by one whole warp; lane d < 8 gets output element d.
-__device__ __forceinline__ float attend_head(const float* q, const KvRows& kv, int pos) {
+/// One output row of Linear(LayerNorm(x)), with the LayerNorm's scale γ and shift β folded into the
+/// row: w_j γ_j, and c = Σ_j w_j β_j + bias. Prepared before the wait, so that after it
+/// out = rstd · Σ_j (w_j γ_j)(x_j − mean) + c  is one dot product (LayerNorm: PyTorch semantics,
+/// biased variance, eps inside the square root; the same function, summed in another order).
+struct NormLinearRow {
+  Row32 w;  // w_j γ_j
+  float c;  // Σ_j w_j β_j + bias
+};
+__device__ __forceinline__ NormLinearRow prefetch_norm_linear(const float* w_row, const float* gamma,
+                                                              const float* beta, float bias) {
+  const Row32 w = load_row32(w_row), g = load_row32(gamma), b = load_row32(beta);
+  NormLinearRow r;
+  r.c = bias + dot32(w, b);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    r.w.v[i] = make_float4(w.v[i].x * g.v[i].x, w.v[i].y * g.v[i].y, w.v[i].z * g.v[i].z, w.v[i].w * g.v[i].w);
+  return r;
+}
+/// LayerNorm statistics of a row every thread holds: x ← x − mean(x); returns 1/sqrt(var(x) + eps).
+__device__ __forceinline__ float center_rstd(Row32& x) {
+  const float mean = sum32(x) * (1.0f / C::n_embd);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    x.v[i].x -= mean;
+    x.v[i].y -= mean;
+    x.v[i].z -= mean;
+    x.v[i].w -= mean;
+  }
+  return rsqrtf(dot32(x, x) * (1.0f / C::n_embd) + C::ln_eps);
+}
+/// The output of `row` for the centred input `xc` (from center_rstd).
+__device__ __forceinline__ float norm_linear(const NormLinearRow& row, const Row32& xc, float rstd) {
+  return fmaf(rstd, dot32(row.w, xc), row.c);
+}
+
+/// The keys and values one lane scores: cache slots `lane` and `lane + 32` of one head.
+struct KvRows {
+  float4 k[2][2];  // [slot i][half]: slot lane + 32 i, elements 0-3 and 4-7
+  float4 v[2][2];
+};
+
+/// Loads this lane's two slots of one head's cache from L2, whatever the position: slots past the
+/// current one hold zeros or an earlier sequence's values, all finite, and attend_head masks them.
+/// Not depending on the position lets the decode kernel issue these loads before the step metadata
+/// has arrived.
+__device__ __forceinline__ KvRows load_kv_rows(const float* k_head, const float* v_head) {
+  KvRows r;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int j = lane_id() + 32 * i;
+    const float4* k4 = reinterpret_cast<const float4*>(k_head + j * C::head_size);
+    const float4* v4 = reinterpret_cast<const float4*>(v_head + j * C::head_size);
+    r.k[i][0] = __ldcg(k4);
+    r.k[i][1] = __ldcg(k4 + 1);
+    r.v[i][0] = __ldcg(v4);
+    r.v[i][1] = __ldcg(v4 + 1);
+  }
+  return r;
+}
+
+/// 8 floats (one head's query, key, value or output) as two float4.
+struct Head8 {
+  float4 a, b;
+};
+
+/// Causal attention of one head for one query q: softmax over the scores of the cache slots 0..last
+/// held in `kv` (slot lane + 32 i in lane `lane`; slots after `last` are masked exactly like the
+/// seed's `kv_indices <= cache_pos`: score -inf, weight 0, whatever they hold) plus one extra slot every lane holds (decode:
+/// this token's own key and value, whose score is `extra_score`; prefill: extra_score = -inf).
+/// Called by a whole warp; every lane gets the head's 8 outputs.
+__device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last, float extra_score, Head8 extra_v) {
   const int lane = lane_id();
-  const float4* q4 = reinterpret_cast<const float4*>(q);
-  const float4 qa = q4[0], qb = q4[1];
   constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
   float score[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
-    score[i] = lane + 32 * i <= pos ? dot8(qa, qb, kv.k[i][0], kv.k[i][1]) * scale : -INFINITY;
-  // Softmax over the valid slots (slot 0 is always valid, so the max is finite).
-  const float m = warp_max(fmaxf(score[0], score[1]));
+    score[i] = lane + 32 * i <= last ? dot8(q.a, q.b, kv.k[i][0], kv.k[i][1]) * scale : -INFINITY;
+  // Softmax; at least one slot is valid (slot 0 in prefill, this token in decode), so m is finite.
+  const float m = fmaxf(warp_max(fmaxf(score[0], score[1])), extra_score);
   const float p0 = expf(score[0] - m);  // exp(-inf) = 0 for masked slots
   const float p1 = expf(score[1] - m);
-  const float inv_sum = 1.0f / warp_sum(p0 + p1);
+  const float pe = expf(extra_score - m);
+  // One butterfly for the 9 sums (Σp and Σp·v for the 8 value elements): every lane gets them all.
   const float v0[8] = {kv.v[0][0].x, kv.v[0][0].y, kv.v[0][0].z, kv.v[0][0].w,
                        kv.v[0][1].x, kv.v[0][1].y, kv.v[0][1].z, kv.v[0][1].w};
   const float v1[8] = {kv.v[1][0].x, kv.v[1][0].y, kv.v[1][0].z, kv.v[1][0].w,
                        kv.v[1][1].x, kv.v[1][1].y, kv.v[1][1].z, kv.v[1][1].w};
-  float out = 0.0f;
+  float acc[9];
+  acc[8] = p0 + p1;
 #pragma unroll
-  for (int d = 0; d < 8; ++d) {
-    const float acc = warp_sum(fmaf(p0, v0[d], p1 * v1[d]));
-    if (lane == d) out = acc * inv_sum;
-  }
+  for (int d = 0; d < 8; ++d) acc[d] = fmaf(p0, v0[d], p1 * v1[d]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int i = 0; i < 9; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+  const float inv_sum = 1.0f / (acc[8] + pe);
+  Head8 out;
+  out.a = make_float4(fmaf(pe, extra_v.a.x, acc[0]) * inv_sum, fmaf(pe, extra_v.a.y, acc[1]) * inv_sum,
+                      fmaf(pe, extra_v.a.z, acc[2]) * inv_sum, fmaf(pe, extra_v.a.w, acc[3]) * inv_sum);
+  out.b = make_float4(fmaf(pe, extra_v.b.x, acc[4]) * inv_sum, fmaf(pe, extra_v.b.y, acc[5]) * inv_sum,
+                      fmaf(pe, extra_v.b.z, acc[6]) * inv_sum, fmaf(pe, extra_v.b.w, acc[7]) * inv_sum);
   return out;
 }
 
-/// The weights the attention output projection needs (warp 0 uses them).
-struct ProjPrefetch {
-  Row32 w;     // row `lane` of proj_w
+/// attn_proj, split by head: lane i of warp h holds attn_proj.weight[i][8h .. 8h+7] and computes
+/// head h's share of output i; the shares of the 4 heads are summed through shared memory.
+struct ProjSlice {
+  Head8 w;     // proj_w[lane][8h .. 8h+7]
   float bias;  // proj_b[lane]
 };
-__device__ __forceinline__ ProjPrefetch prefetch_proj(const LayerParams& p) {
-  return {load_row32(p.proj_w + lane_id() * C::n_embd), __ldg(p.proj_b + lane_id())};
+__device__ __forceinline__ ProjSlice prefetch_proj(const LayerParams& p) {
+  const float4* w = reinterpret_cast<const float4*>(p.proj_w + lane_id() * C::n_embd + warp_id() * C::head_size);
+  return {{load_weight(w), load_weight(w + 1)}, load_weight(p.proj_b + lane_id())};
+}
+/// x_row[i] = x_i + attn_proj(heads)[i]: every warp passes its head's output; warp 0 writes the row.
+/// Called by all 128 threads (one barrier).
+__device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head, float x_lane, float* x_row) {
+  __shared__ float share[kWarps][C::n_embd];
+  const int lane = lane_id(), h = warp_id();
+  share[h][lane] = dot8(w.w.a, w.w.b, head.a, head.b);
+  __syncthreads();
+  if (h == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + w.bias);
 }
 
-/// Attention sublayer part for one token: all heads (warp h = head h, `kv` = its slots) attend
-/// over slots 0..pos, then x_row += attn_proj(heads). q is the token's 32-wide query.
-/// Called by all 128 threads.
-__device__ __forceinline__ void attention_phase(const ProjPrefetch& w, const float* q, int pos, const KvRows& kv,
-                                                float* x_row) {
-  __shared__ float heads[C::n_embd];  // concatenated head outputs
-  const int h = warp_id();
-  const float o = attend_head(q + h * C::head_size, kv, pos);
-  if (lane_id() < C::head_size) heads[h * C::head_size + lane_id()] = o;
-  __syncthreads();
-  if (h == 0) {
-    const float y = dot_lanes(w.w, heads[lane_id()]) + w.bias;
-    x_row[lane_id()] += y;  // residual
-  }
-}
+// ============================================================================================
+// Kernels
+// ============================================================================================
 
 /// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row.
 template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  // The metadata and the prompt were copied before this step's first kernel started, and the
+  // The metadata and the prompt were written before this step's first kernel started, and the
   // embeddings are constants: all can be read before waiting for the previous kernel.
+  const StepMeta m = *meta;
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = row < (P == Phase::decode ? 1 : meta->seq_len);
-  const int token = !active ? 0 : P == Phase::decode ? meta->token : b.prompt[row];
-  const int pos = !active ? 0 : meta->pos + row;
+  const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
+  const int token = !active ? 0 : P == Phase::decode ? m.token : b.prompt[row];
+  const int pos = !active ? 0 : m.pos + row;
   const int i = lane_id();
-  const float e = __ldg(tok_emb + token * C::n_embd + i) + __ldg(pos_emb + pos * C::n_embd + i);
-  pdl_wait();
+  const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
+  pdl_wait();  // the previous step's last kernel may still read x
   if (active) b.x[row * C::n_embd + i] = e;
 }
 
 /// Decode: the whole attention sublayer for the step's token in one block:
 /// LN1 → QKV → write k, v into cache slot pos → attention over slots 0..pos → projection + residual.
-/// Before waiting for the previous kernel it loads its weights, the step metadata and the cache
-/// slots 0..pos-1 (written by earlier steps, so already complete): after the wait only the residual
-/// stream row is read.
+/// Before the wait it loads its weights, the step metadata and the cache slots 0..pos-1 (written by
+/// earlier steps, so already complete): after the wait only the residual row is read.
 __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
                                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  const QkvPrefetch wq = prefetch_qkv(p);
-  const ProjPrefetch wp = prefetch_proj(p);
-  const int pos = meta->pos;
-  const int h = warp_id();
-  float* k_layer = b.k_cache + layer * kCacheLayer;
-  float* v_layer = b.v_cache + layer * kCacheLayer;
-  const int head_off = h * C::block_size * C::head_size;
-  KvRows kv = load_kv_rows(k_layer + head_off, v_layer + head_off, pos - 1);
+  const int lane = lane_id(), h = warp_id();
+  const int pos = meta->pos;  // needed after the wait only: its load (possibly over the bus) overlaps it
+  // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
+  // lanes 24-31 repeat the value rows (their result is not used).
+  const int part = min(lane >> 3, 2);
+  const int qkv_row = part * C::n_embd + h * C::head_size + (lane & 7);
+  const NormLinearRow w_qkv = prefetch_norm_linear(p.qkv_w + qkv_row * C::n_embd, p.ln1_w, p.ln1_b, 0.0f);
+  const ProjSlice w_proj = prefetch_proj(p);
+  float* k_head = b.k_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
+  float* v_head = b.v_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
+  const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
+
   pdl_wait();
-  __shared__ __align__(16) float q[C::n_embd];
-  __shared__ __align__(16) float kv_new[2 * C::n_embd];  // this token's k (0-31) and v (32-63)
-  qkv_phase(wq, b.x, pos, q, k_layer, v_layer, kv_new);
-  __syncthreads();  // q, and this token's k and v, in shared memory
-  // The lane that scores slot pos takes this token's key and value from shared memory.
-  if (lane_id() == pos % 32) {
-    const float4* k4 = reinterpret_cast<const float4*>(kv_new + h * C::head_size);
-    const float4* v4 = reinterpret_cast<const float4*>(kv_new + C::n_embd + h * C::head_size);
-    if (pos < 32) {
-      kv.k[0][0] = k4[0], kv.k[0][1] = k4[1], kv.v[0][0] = v4[0], kv.v[0][1] = v4[1];
-    } else {
-      kv.k[1][0] = k4[0], kv.k[1][1] = k4[1], kv.v[1][0] = v4[0], kv.v[1][1] = v4[1];
-    }
-  }
-  attention_phase(wp, q, pos, kv, b.x);
+  Row32 x = load_activations(b.x);
+  const float x_lane = __ldcg(b.x + lane);
+  const float rstd = center_rstd(x);
+  const float out = norm_linear(w_qkv, x, rstd);
+  if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
+  const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
+  const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
+  const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
+  const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
+  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
+  const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
+  project_residual(w_proj, head, x_lane, b.x);
 }
 
 /// Prefill, part 1 of the attention sublayer: one block per prompt token writes its q and its k, v
-/// (every token's k, v must be in the cache before any token attends).
+/// (every token's k, v must be in the cache before any token attends). Thread t computes row t of
+/// the QKV projection.
 __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, int layer,
                                                                const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  const QkvPrefetch wq = prefetch_qkv(p);
-  pdl_wait();
+  const int t = static_cast<int>(threadIdx.x);
+  const NormLinearRow w_qkv =
+      prefetch_norm_linear(p.qkv_w + min(t, 3 * C::n_embd - 1) * C::n_embd, p.ln1_w, p.ln1_b, 0.0f);
+  const StepMeta m = *meta;
   const int row = static_cast<int>(blockIdx.x);
-  if (row >= meta->seq_len) return;
-  qkv_phase(wq, b.x + row * C::n_embd, meta->pos + row, b.q + row * C::n_embd,
-            b.k_cache + layer * kCacheLayer, b.v_cache + layer * kCacheLayer, nullptr);
+  pdl_wait();
+  if (row >= m.seq_len) return;
+  Row32 x = load_activations(b.x + row * C::n_embd);
+  const float rstd = center_rstd(x);
+  const float out = norm_linear(w_qkv, x, rstd);
+  const int pos = m.pos + row;
+  if (t < C::n_embd) {
+    b.q[row * C::n_embd + t] = out;
+  } else if (t < 3 * C::n_embd) {
+    const int c = (t - C::n_embd) % C::n_embd;  // column within k or v
+    float* cache = (t < 2 * C::n_embd ? b.k_cache : b.v_cache) + layer * kCacheLayer;
+    cache[((c / C::head_size) * C::block_size + pos) * C::head_size + c % C::head_size] = out;
+  }
 }
 
-/// Prefill, part 2: one block per prompt token attends over slots 0..its position (causal),
-/// then projection + residual.
+/// Prefill, part 2: one block per prompt token attends over slots 0..its position (causal), then
+/// projection + residual.
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams p, int layer,
                                                                      const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  const ProjPrefetch wp = prefetch_proj(p);
-  pdl_wait();
+  const ProjSlice w_proj = prefetch_proj(p);
+  const StepMeta m = *meta;
   const int row = static_cast<int>(blockIdx.x);
-  if (row >= meta->seq_len) return;
-  const int pos = meta->pos + row;
-  const int head_off = warp_id() * C::block_size * C::head_size;
-  const KvRows kv = load_kv_rows(b.k_cache + layer * kCacheLayer + head_off,
-                                 b.v_cache + layer * kCacheLayer + head_off, pos);
-  attention_phase(wp, b.q + row * C::n_embd, pos, kv, b.x + row * C::n_embd);
+  pdl_wait();
+  if (row >= m.seq_len) return;
+  const int h = warp_id();
+  const int pos = m.pos + row;
+  const int head_off = layer * kCacheLayer + h * C::block_size * C::head_size;
+  const KvRows kv = load_kv_rows(b.k_cache + head_off, b.v_cache + head_off);
+  const float4* q4 = reinterpret_cast<const float4*>(b.q + row * C::n_embd + h * C::head_size);
+  const Head8 q = {__ldcg(q4), __ldcg(q4 + 1)};
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  const Head8 head = attend_head(q, kv, pos, -INFINITY, {zero, zero});
+  float* x_row = b.x + row * C::n_embd;
+  project_residual(w_proj, head, __ldcg(x_row + lane_id()), x_row);
 }
 
 /// The feed-forward sublayer: x[row] += fc2(ReLU(fc1(LN2(x[row])))).
-/// Thread t computes hidden unit t; warp w then holds hidden units 32w..32w+31, exactly the slice
-/// of fc2's input it multiplies, so fc2 is four per-warp partial dot products summed in shared memory.
+/// Thread t computes hidden unit t; then thread (warp w, lane i) multiplies hidden units
+/// 32w..32w+31 (read from shared memory) by its slice of fc2's row i, and warp 0 sums the 4 slices.
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  const int lane = lane_id(), warp = warp_id();
-  const Row32 w1 = load_row32(p.fc1_w + threadIdx.x * C::n_embd);
-  const float b1 = __ldg(p.fc1_b + threadIdx.x);
+  const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  const NormLinearRow w1 = prefetch_norm_linear(p.fc1_w + t * C::n_embd, p.ln2_w, p.ln2_b, load_weight(p.fc1_b + t));
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
-  const float b2 = __ldg(p.fc2_b + lane);
-  const float gamma = __ldg(p.ln2_w + lane), beta = __ldg(p.ln2_b + lane);
+  const float b2 = load_weight(p.fc2_b + lane);
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = row < (P == Phase::decode ? 1 : meta->seq_len);
+  const bool active = P == Phase::decode || row < meta->seq_len;
   pdl_wait();
-  if (!active) return;
+  if (!active) return;  // prefill only
   float* x_row = b.x + row * C::n_embd;
-  const float x = x_row[lane];
-  const float xn = layer_norm_lane(x, gamma, beta);
-  const float hidden = fmaxf(dot_lanes(w1, xn) + b1, 0.0f);  // ReLU
-  __shared__ float partial[kWarps][C::n_embd];
-  partial[warp][lane] = dot_lanes(w2, hidden);
+  Row32 x = load_activations(x_row);
+  const float x_lane = __ldcg(x_row + lane);
+  const float rstd = center_rstd(x);
+  __shared__ __align__(16) float hidden[C::ffn_hidden];
+  __shared__ float share[kWarps][C::n_embd];
+  hidden[t] = fmaxf(norm_linear(w1, x, rstd), 0.0f);  // ReLU
   __syncthreads();
-  if (warp == 0) {
-    float y = partial[0][lane];
+  Row32 h;
 #pragma unroll
-    for (int i = 1; i < kWarps; ++i) y += partial[i][lane];
-    x_row[lane] = x + (y + b2);  // residual
-  }
+  for (int i = 0; i < 8; ++i) h.v[i] = reinterpret_cast<const float4*>(hidden + warp * 32)[i];
+  share[warp][lane] = dot32(w2, h);
+  __syncthreads();
+  if (warp == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + b2);
 }
 
 /// Samples a token from 65 logits in shared memory; called by one whole warp, every lane returns it.
@@ -435,23 +483,21 @@ __device__ int sample_warp(const float* logits, const StepMeta& m) {
 }
 
 /// Last kernel of a step: logits = lm_head(LN_f(x[last row])), then sampling; the token goes
-/// straight to pinned host memory (no copy node), the logits to b.logits.
+/// straight to pinned host memory (no copy node), the logits to b.logits. Thread t computes logit t.
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* lnf_w, const float* lnf_b,
                                                                   const float* head_w, const float* head_b,
                                                                   const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  const int lane = lane_id();
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
-  const Row32 w = load_row32(head_w + row_w * C::n_embd);
-  const float bias = __ldg(head_b + row_w);
-  const float gamma = __ldg(lnf_w + lane), beta = __ldg(lnf_b + lane);
+  const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
   const StepMeta m = *meta;
   pdl_wait();
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
-  const float xn = layer_norm_lane(b.x[row * C::n_embd + lane], gamma, beta);
-  const float logit = dot_lanes(w, xn) + bias;
+  Row32 x = load_activations(b.x + row * C::n_embd);
+  const float rstd = center_rstd(x);
+  const float logit = norm_linear(w, x, rstd);
   __shared__ float logits[C::vocab_size];
   if (t < C::vocab_size) {
     logits[t] = logit;
@@ -460,7 +506,21 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   __syncthreads();
   if (warp_id() == 0) {
     const int token = sample_warp(logits, m);
-    if (lane == 0) *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+    if (lane_id() == 0) *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+  }
+}
+
+/// Diagnostics (ModelOptions::null_kernels): a decode-step kernel without model work. It reads the
+/// step metadata, waits for the previous kernel, increments one counter (so the kernels form a
+/// dependent chain, like the model's) and, as the last kernel of the step, hands the input token
+/// back as the "sampled" token.
+__global__ void __launch_bounds__(32) null_step_kernel(const StepMeta* meta, Buffers b, int last) {
+  pdl_launch_dependents();
+  const StepMeta m = *meta;
+  pdl_wait();
+  if (threadIdx.x == 0) {
+    *b.counter += 1;
+    if (last != 0) *static_cast<volatile std::int32_t*>(b.token_out) = m.token;
   }
 }
 
@@ -488,43 +548,52 @@ void launch(const char* name, bool pdl, void (*kernel)(Params...), int grid, int
 struct Launcher {
   const ModelParams& p;
   const Buffers& b;
-  const StepMeta* meta;  // device address of the step metadata
-  bool pdl;
+  const StepMeta* meta;  // device-accessible address of the step metadata
+  ModelOptions opt;
 
   void embed(cudaStream_t s, Phase phase, int rows) const {
     if (phase == Phase::decode)
-      launch("embed_kernel<decode>", pdl, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
+      launch("embed_kernel<decode>", opt.pdl, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
     else
-      launch("embed_kernel<prefill>", pdl, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta, b);
+      launch("embed_kernel<prefill>", opt.pdl, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta,
+             b);
   }
   void attention_block(cudaStream_t s, int layer) const {
-    launch("attention_block_kernel", pdl, attention_block_kernel, 1, kThreads, s, p.layer[layer], layer, meta, b);
+    launch("attention_block_kernel", opt.pdl, attention_block_kernel, 1, kThreads, s, p.layer[layer], layer, meta, b);
   }
   void qkv_prefill(cudaStream_t s, int layer, int rows) const {
-    launch("qkv_prefill_kernel", pdl, qkv_prefill_kernel, rows, kThreads, s, p.layer[layer], layer, meta, b);
+    launch("qkv_prefill_kernel", opt.pdl, qkv_prefill_kernel, rows, kThreads, s, p.layer[layer], layer, meta, b);
   }
   void attention_prefill(cudaStream_t s, int layer, int rows) const {
-    launch("attention_prefill_kernel", pdl, attention_prefill_kernel, rows, kThreads, s, p.layer[layer], layer,
+    launch("attention_prefill_kernel", opt.pdl, attention_prefill_kernel, rows, kThreads, s, p.layer[layer], layer,
            meta, b);
   }
   void ffn_block(cudaStream_t s, int layer, Phase phase, int rows) const {
     if (phase == Phase::decode)
-      launch("ffn_block_kernel<decode>", pdl, ffn_block_kernel<Phase::decode>, 1, kThreads, s, p.layer[layer], meta, b);
-    else
-      launch("ffn_block_kernel<prefill>", pdl, ffn_block_kernel<Phase::prefill>, rows, kThreads, s, p.layer[layer],
+      launch("ffn_block_kernel<decode>", opt.pdl, ffn_block_kernel<Phase::decode>, 1, kThreads, s, p.layer[layer],
              meta, b);
+    else
+      launch("ffn_block_kernel<prefill>", opt.pdl, ffn_block_kernel<Phase::prefill>, rows, kThreads, s,
+             p.layer[layer], meta, b);
   }
   void lm_head_sample(cudaStream_t s, Phase phase) const {
     if (phase == Phase::decode)
-      launch("lm_head_sample_kernel<decode>", pdl, lm_head_sample_kernel<Phase::decode>, 1, kThreads, s, p.lnf_w,
+      launch("lm_head_sample_kernel<decode>", opt.pdl, lm_head_sample_kernel<Phase::decode>, 1, kThreads, s, p.lnf_w,
              p.lnf_b, p.head_w, p.head_b, meta, b);
     else
-      launch("lm_head_sample_kernel<prefill>", pdl, lm_head_sample_kernel<Phase::prefill>, 1, kThreads, s, p.lnf_w,
-             p.lnf_b, p.head_w, p.head_b, meta, b);
+      launch("lm_head_sample_kernel<prefill>", opt.pdl, lm_head_sample_kernel<Phase::prefill>, 1, kThreads, s,
+             p.lnf_w, p.lnf_b, p.head_w, p.head_b, meta, b);
+  }
+  void null_step(cudaStream_t s, bool last) const {
+    launch("null_step_kernel", opt.pdl, null_step_kernel, 1, 32, s, meta, b, last ? 1 : 0);
   }
 
   /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
   void decode_step(cudaStream_t s) const {
+    if (opt.null_kernels) {
+      for (int i = 0; i < kStages; ++i) null_step(s, i == kStages - 1);
+      return;
+    }
     embed(s, Phase::decode, 1);
     for (int l = 0; l < C::n_layer; ++l) {
       attention_block(s, l);
@@ -546,6 +615,7 @@ struct Launcher {
 };
 
 }  // namespace
+
 
 // ============================================================================================
 // Model
@@ -572,18 +642,22 @@ struct Model::Impl {
   ModelParams params{};
   replay::static_arena arena;                        // activations + KV cache, frozen
   Buffers buffers{};
-  replay::step_meta<StepMeta> meta;                  // token, pos, seq_len, sampling
+  replay::step_meta<StepMeta> meta;                  // token, pos, seq_len, sampling (push, graph_copy)
+  replay::pinned_buffer<StepMeta> mapped_meta;       // the same, read by the kernels in place (mapped)
   replay::step_meta_array<std::int32_t> prompt;      // prompt token ids for prefill
   replay::pinned_buffer<std::int32_t> token_out;     // the sampler writes the token here
   replay::graph_exec exec;                           // the captured decode step
   std::size_t graph_nodes = 0;
   std::size_t graph_kernel_nodes = 0;
+  bool step_in_flight = false;    // a step was enqueued and its token not waited for
 
   Impl(const Weights& w, ModelOptions opt)
       : options(opt),
         params_mem(w.data.size()),
         arena(static_cast<std::size_t>(2 * C::block_size * C::n_embd + 2 * C::n_layer * kCacheLayer +
-                                       C::vocab_size) * sizeof(float) + 8 * replay::static_arena::default_alignment),
+                                       C::vocab_size) * sizeof(float) + sizeof(unsigned) +
+              10 * replay::static_arena::default_alignment),
+        mapped_meta(1),
         prompt(C::block_size),
         token_out(1) {
     if (w.data.size() != packed_size())
@@ -610,39 +684,64 @@ struct Model::Impl {
     buffers.k_cache = arena.allocate<float>(C::n_layer * kCacheLayer).data();
     buffers.v_cache = arena.allocate<float>(C::n_layer * kCacheLayer).data();
     buffers.logits = arena.allocate<float>(C::vocab_size).data();
+    buffers.counter = arena.allocate<unsigned>(1).data();
     arena.freeze();  // from here on no address changes: safe to capture
     buffers.prompt = prompt.device();
     buffers.token_out = token_out.data();  // pinned host memory is device-accessible under UVA
     REPLAY_CHECK(cudaMemsetAsync(arena.base(), 0, arena.capacity(), stream.get()));
     token_out[0] = -1;
+    mapped_meta[0] = StepMeta{};
     stream.synchronize();
   }
 
   ~Impl() { (void)cudaStreamSynchronize(stream.get()); }
 
-  [[nodiscard]] Launcher launcher() const { return {params, buffers, meta.device(), options.pdl}; }
+  /// The address the kernels read the step metadata from.
+  [[nodiscard]] const StepMeta* meta_address() const {
+    return options.meta == MetaPath::mapped ? mapped_meta.data() : meta.device();
+  }
+  [[nodiscard]] Launcher launcher() const { return {params, buffers, meta_address(), options}; }
 
-  /// Issues one decode step: metadata to the device, then the kernels (eager) or the replay
-  /// (graph). With meta_in_graph the replay itself starts with the metadata copy (capture_copy).
-  void issue_step(const StepMeta& v, Mode mode) {
-    const replay::stream_ref s(stream.get());
-    token_out[0] = -1;  // poison: a step that did not run cannot hand back a stale token
-    if (mode == Mode::graph) {
-      if (!exec) throw replay::usage_error("nanogpt::Model: Mode::graph before capture_decode_graph()");
-      if (options.meta_in_graph) {
-        meta.graph_staging() = v;
-        exec.launch(s);
-        meta.launched(s);
-      } else {
-        meta.staging() = v;
-        meta.push(s);
-        exec.launch(s);
-      }
+  /// Waits for a step enqueued without reading its token (enqueue_decode_step).
+  void settle() {
+    if (!step_in_flight) return;
+    REPLAY_CHECK(cudaStreamSynchronize(stream.get()));
+    step_in_flight = false;
+  }
+
+  /// Makes `v` the metadata the next kernels read: staged and pushed (push, and eager graph_copy),
+  /// staged for the graph's own copy (graph_copy, graph mode), or written in place (mapped).
+  void set_meta(const StepMeta& v, bool graph_copies_it) {
+    if (options.meta == MetaPath::mapped) {
+      settle();  // the previous step's kernels may still read it
+      mapped_meta[0] = v;
+    } else if (graph_copies_it) {
+      meta.graph_staging() = v;
     } else {
       meta.staging() = v;
-      meta.push(s);
+      meta.push(replay::stream_ref(stream.get()));
+    }
+  }
+
+  /// Issues one decode step: the metadata (set_meta), then the kernels (eager) or the replay
+  /// (graph). The token slot is poisoned first, so a step that did not run cannot hand back a
+  /// stale token.
+  void issue_step(const StepMeta& v, Mode mode) {
+    const replay::stream_ref s(stream.get());
+    if (mode == Mode::graph && !exec)
+      throw replay::usage_error("nanogpt::Model: Mode::graph before capture_decode_graph()");
+    if (options.meta == MetaPath::mapped) settle();
+    token_out[0] = -1;
+    if (mode == Mode::graph) {
+      const bool in_graph = options.meta == MetaPath::graph_copy;
+      set_meta(v, in_graph);
+      exec.launch(s);
+      if (in_graph) meta.launched(s);
+    } else {
+      set_meta(v, false);
       launcher().decode_step(stream.get());
     }
+    step_in_flight = true;
   }
 
   /// Waits for the token the sampler writes into pinned host memory. Polling that memory is the
@@ -652,9 +751,13 @@ struct Model::Impl {
     const volatile std::int32_t* slot = token_out.data();
     for (int i = 0; i < (1 << 22); ++i) {
       const std::int32_t t = *slot;
-      if (t >= 0 && t < C::vocab_size) return t;
+      if (t >= 0 && t < C::vocab_size) {
+        step_in_flight = false;  // every kernel of the step has read the metadata by now
+        return t;
+      }
     }
     REPLAY_CHECK(cudaStreamSynchronize(stream.get()));
+    step_in_flight = false;
     const std::int32_t t = *slot;
     if (t < 0 || t >= C::vocab_size)
       throw std::runtime_error(fmt::format("nanogpt: the step produced no valid token ({})", t));
@@ -697,14 +800,14 @@ std::int32_t Model::prefill(std::span<const std::int32_t> prompt, const Sampling
       throw std::invalid_argument(fmt::format("prefill: token id {} outside [0, {})", t, C::vocab_size));
   check_sampling(sampling);
   Impl& m = *impl_;
+  m.settle();
   const replay::stream_ref s(m.stream.get());
   auto staged = m.prompt.staging();
   std::copy(prompt.begin(), prompt.end(), staged.begin());
   m.prompt.push(s, prompt.size());
   const int rows = static_cast<int>(prompt.size());
   m.token_out[0] = -1;
-  m.meta.staging() = make_meta(0, 0, rows, sampling);
-  m.meta.push(s);
+  m.set_meta(make_meta(0, 0, rows, sampling), false);
   m.launcher().prefill(s.get(), rows);
   return m.wait_token();
 }
@@ -716,6 +819,7 @@ std::int32_t Model::decode_step(std::int32_t token, int pos, const Sampling& sam
     throw std::invalid_argument(
         fmt::format("decode_step: position {} outside the context [0, {})", pos, C::block_size));
   check_sampling(sampling);
+  impl_->settle();  // a step enqueued before must not hand its token to this one
   impl_->issue_step(make_meta(token, pos, pos + 1, sampling), mode);
   return impl_->wait_token();
 }
@@ -726,14 +830,17 @@ void Model::enqueue_decode_step(std::int32_t token, int pos, const Sampling& sam
   impl_->issue_step(make_meta(token, pos, pos + 1, sampling), mode);
 }
 
-void Model::synchronize() { REPLAY_CHECK(cudaStreamSynchronize(impl_->stream.get())); }
+void Model::synchronize() {
+  REPLAY_CHECK(cudaStreamSynchronize(impl_->stream.get()));
+  impl_->step_in_flight = false;
+}
 
 void Model::capture_decode_graph() {
   Impl& m = *impl_;
   const Launcher l = m.launcher();
   const replay::stream_ref s(m.stream.get());
   replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
-    if (m.options.meta_in_graph) m.meta.capture_copy(cs);  // every replay starts by copying StepMeta
+    if (m.options.meta == MetaPath::graph_copy) m.meta.capture_copy(cs);  // every replay starts by copying StepMeta
     l.decode_step(cs.get());
   });
   m.graph_nodes = g.node_count();
@@ -746,6 +853,7 @@ bool Model::has_graph() const noexcept { return static_cast<bool>(impl_->exec); 
 std::size_t Model::graph_nodes() const noexcept { return impl_->graph_nodes; }
 std::size_t Model::graph_kernel_nodes() const noexcept { return impl_->graph_kernel_nodes; }
 const ModelOptions& Model::options() const noexcept { return impl_->options; }
+
 cudaStream_t Model::stream() const noexcept { return impl_->stream.get(); }
 
 std::vector<float> Model::logits() const {

@@ -2,11 +2,12 @@
 //
 // A Model owns everything a decode step touches, allocated once in its constructor: the weights,
 // the residual-stream and query buffers, the static KV cache (block_size slots per head), the
-// logits, the step metadata (replay::step_meta<StepMeta>) and a pinned slot the sampler writes the
-// token into. Nothing is allocated after construction, so every address a captured graph holds
-// stays valid for the Model's lifetime.
+// logits, the step metadata (StepMeta: a pinned host struct the kernels read in place, or
+// replay::step_meta<StepMeta> for the pushed and graph-copied variants, see MetaPath) and a pinned
+// slot the sampler writes the token into. Nothing is allocated after construction, so every address
+// a captured graph holds stays valid for the Model's lifetime.
 //
-// One decode step = push StepMeta (token, pos, seq_len, sampling) → run the step's kernels → the
+// One decode step = write StepMeta (token, pos, seq_len, sampling) → run the step's kernels → the
 // sampler writes the token into pinned host memory, where the host picks it up (it polls that
 // memory, and synchronises the stream only if the token is unusually late). The kernels are the same in
 // both modes; only how they are launched differs:
@@ -37,15 +38,35 @@ namespace nanogpt {
 enum class Mode { eager, graph };
 constexpr std::string_view to_string(Mode m) noexcept { return m == Mode::eager ? "eager" : "graph"; }
 
+/// Where the kernels read the step metadata (StepMeta) from.
+enum class MetaPath {
+  /// replay::step_meta::push before each step: an async host-to-device copy on the stream, then the
+  /// kernels read the device copy. Steps may be enqueued back to back.
+  push,
+  /// Graph mode: the graph starts with a copy node (replay::step_meta::capture_copy), so a step is
+  /// write staging → replay, with no separate copy call. Eager mode pushes.
+  graph_copy,
+  /// The kernels read a pinned host struct directly (zero-copy, over the bus): a step is write the
+  /// struct → launch, with no copy at all (the default: the fastest for one step at a time). The
+  /// struct is rewritten only after the previous step's token arrived (every kernel of a step has
+  /// read it by then), so steps cannot overlap: enqueue_decode_step() waits for the previous step.
+  mapped,
+};
+constexpr std::string_view to_string(MetaPath m) noexcept {
+  return m == MetaPath::push ? "push" : m == MetaPath::graph_copy ? "graph-copy" : "mapped";
+}
+
 /// Launch settings (the same for both modes, so eager and graph stay bit-identical).
 struct ModelOptions {
   /// Programmatic dependent launch (sm_90+): each kernel may start while the previous one runs,
   /// loading its weights before it waits for the previous kernel's output. Off: plain launches.
   bool pdl = true;
-  /// Graph mode only: the graph starts with a copy node that copies StepMeta from pinned staging
-  /// (replay::step_meta::capture_copy), so a step is write staging → replay, with no separate
-  /// host-to-device copy call. Off: StepMeta is pushed with step_meta::push before each replay.
-  bool meta_in_graph = false;
+  /// How the step metadata reaches the kernels.
+  MetaPath meta = MetaPath::mapped;
+  /// Diagnostics: a decode step launches kernels_per_decode_step kernels that do no model work (each
+  /// waits for the previous one and increments a counter; the last hands the input token back as
+  /// the "sampled" token). Measures the floor of the step machinery; the text is meaningless.
+  bool null_kernels = false;
 };
 
 /// No usable CUDA device (the message says why).

@@ -105,6 +105,16 @@ std::vector<std::vector<double>> reference_logits(const Weights& w, const std::v
   return logits;
 }
 
+/// The launch settings the tests cover: every metadata path, PDL on and off.
+const std::vector<ModelOptions>& all_variants() {
+  static const std::vector<ModelOptions> v = {
+      {.pdl = true, .meta = MetaPath::mapped},     {.pdl = false, .meta = MetaPath::mapped},
+      {.pdl = true, .meta = MetaPath::push},       {.pdl = false, .meta = MetaPath::push},
+      {.pdl = true, .meta = MetaPath::graph_copy},
+  };
+  return v;
+}
+
 double max_abs_diff(const std::vector<float>& a, const std::vector<double>& b) {
   double m = 0;
   for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
@@ -120,10 +130,11 @@ TEST_CASE("logits of prefill and of eager and graph decode steps match a CPU ref
   double spread = 0;
   for (double v : ref.back()) spread = std::max(spread, std::abs(v));
   REQUIRE(spread > 0.5);  // the test weights give non-trivial logits
-  for (bool pdl : {true, false}) {
-    Model model(w, {.pdl = pdl});
+  for (const ModelOptions& opt : all_variants()) {
+    Model model(w, opt);
     for (Mode mode : {Mode::eager, Mode::graph}) {
-      CAPTURE(pdl);
+      CAPTURE(opt.pdl);
+      CAPTURE(to_string(opt.meta));
       CAPTURE(to_string(mode));
       const int k = 5;
       (void)model.prefill(std::span<const std::int32_t>(tokens.data(), k), {});
@@ -161,17 +172,15 @@ TEST_CASE("eager and graph produce identical tokens for several prompts, lengths
       {"KING", 60, {1.0f, 0, true}},
       {"a", 1, {1.0f, 9, false}},
   };
-  const ModelOptions variants[] = {{.pdl = true, .meta_in_graph = false},
-                                   {.pdl = false, .meta_in_graph = false},
-                                   {.pdl = true, .meta_in_graph = true}};
   for (const auto& [wname, w] : weight_sets) {
-    for (const ModelOptions& opt : variants) {
+    std::vector<std::vector<std::int32_t>> first_variant;  // tokens of every case under the first variant
+    for (const ModelOptions& opt : all_variants()) {
       Model model(w, opt);
       for (const auto& c : cases) {
         CAPTURE(wname);
         CAPTURE(opt.pdl);
-        CAPTURE(opt.meta_in_graph);
-        CAPTURE(c.prompt);
+        CAPTURE(to_string(opt.meta));
+          CAPTURE(c.prompt);
         CAPTURE(c.tokens);
         const auto prompt = encode(c.prompt);
         const auto e = generate(model, prompt, c.tokens, Mode::eager, c.sampling);
@@ -181,6 +190,10 @@ TEST_CASE("eager and graph produce identical tokens for several prompts, lengths
         // Same seed again: same tokens (no hidden state survives between generations).
         const auto again = generate(model, prompt, c.tokens, Mode::graph, c.sampling, /*fresh_capture=*/false);
         CHECK(again.tokens == g.tokens);
+        // The launch settings change how kernels wait, never what they compute.
+        const std::size_t i = static_cast<std::size_t>(&c - cases.data());
+        if (first_variant.size() <= i) first_variant.push_back(e.tokens);
+        else CHECK(e.tokens == first_variant[i]);
       }
     }
   }
@@ -208,9 +221,10 @@ TEST_CASE("different seeds sample different text; greedy ignores the seed") {
 }
 
 TEST_CASE("the captured step is 10 kernel nodes and one capture serves every position") {
-  for (bool in_graph : {false, true}) {
-  CAPTURE(in_graph);
-  Model model(spicy_weights(4), {.pdl = true, .meta_in_graph = in_graph});
+  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped}) {
+  CAPTURE(to_string(meta));
+  const bool in_graph = meta == MetaPath::graph_copy;
+  Model model(spicy_weights(4), {.pdl = true, .meta = meta});
   CHECK_FALSE(model.has_graph());
   const auto prompt = encode("HAMLET:");
   (void)model.prefill(prompt, {});
@@ -225,6 +239,41 @@ TEST_CASE("the captured step is 10 kernel nodes and one capture serves every pos
     const auto g = generate(model, p, 30, Mode::graph, {1.0f, 3, false}, /*fresh_capture=*/false);
     CHECK(e.tokens == g.tokens);
   }
+  }
+}
+
+TEST_CASE("steps enqueued without reading their token, then synchronous steps") {
+  for (const ModelOptions& opt : all_variants()) {
+    CAPTURE(to_string(opt.meta));
+    Model model(spicy_weights(6), opt);
+    const auto prompt = encode("CORIOLANUS:");
+    const Sampling s{1.0f, 21, false};
+    const auto ref = generate(model, prompt, 12, Mode::eager, s);
+    model.capture_decode_graph();
+    for (Mode mode : {Mode::eager, Mode::graph}) {
+      (void)model.prefill(prompt, s);
+      for (int i = 0; i < 5; ++i) model.enqueue_decode_step(ref.tokens[0], static_cast<int>(prompt.size()), s, mode);
+      // The enqueued steps all rewrote slot prompt.size() with the same token: the sequence is unchanged.
+      std::int32_t token = ref.tokens[0];
+      for (std::size_t i = 1; i < ref.tokens.size(); ++i) {
+        token = model.decode_step(token, static_cast<int>(prompt.size() + i - 1), s, mode);
+        CHECK(token == ref.tokens[i]);
+      }
+    }
+  }
+}
+
+TEST_CASE("null kernels: the step machinery without model work") {
+  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped}) {
+    CAPTURE(to_string(meta));
+    Model model(spicy_weights(2), {.pdl = true, .meta = meta, .null_kernels = true});
+    const auto prompt = encode("ROMEO:");
+    const auto e = generate(model, prompt, 20, Mode::eager, {});
+    const auto g = generate(model, prompt, 20, Mode::graph, {});
+    CHECK(model.graph_kernel_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
+    CHECK(e.tokens == g.tokens);
+    // The empty kernels hand the input token back: every token repeats the prefill's.
+    for (auto t : g.tokens) CHECK(t == g.tokens[0]);
   }
 }
 
