@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Qwen example on the GPU machine, from the repo root (see ../shared/device/README.md):
 #   source .deps/tools/env.sh && bash scripts/gpu-qwen.sh [stages...]
-# Stages (default: all): test (GPU test + host tests), memcheck (GPU test under compute-sanitizer),
-# parity (examples/qwen/parity.py against transformers), demo (staggered batch), bench (0.6B and 4B
-# shapes: batch-1 TPOT vs D2D bandwidth, batched throughput), nopdl (batch-1 bench without PDL),
-# longctx (batch-1 bench after a 2000-token prompt), bench1 (batch-1 bench only), variants (batch-1 TPOT of
-# every decode-kernel variant and streaming-kernel setting, 0.6B and 4B, summarised in variants.md).
-# Logs and JSON go to $OUT (or ./out): qwen.log (everything), parity.json, bench_qwen3-0.6b.json,
-# bench_qwen3-4b.json, variants.md.
+# Stages (default: test parity demo bench nopdl longctx memcheck):
+#   test      host tests + GPU test (every decode-kernel variant: eager == graph, streaming == legacy)
+#   memcheck  the GPU test and the staggered demo under compute-sanitizer
+#   parity    examples/qwen/parity.py against transformers (parity.json)
+#   parity_small  the same with 2 KiB streaming tiles (GEMV items of 1-4 rows; parity_small.json)
+#   demo      staggered batch; bench: 0.6B and 4B batch-1 TPOT vs D2D and batched throughput
+#   bench1    batch-1 bench only; nopdl: batch-1 bench without PDL
+#   longctx   batch-1 TPOT after a 2000-token prompt, legacy and streaming kernels
+#   variants  batch-1 TPOT of every decode-kernel variant and streaming setting, 0.6B and 4B, plus a
+#             phase-completion trace of the streaming kernel (variants.md)
+#   xcheck    teacher-forced logits of the 0.6B and 4B shapes (random weights), every variant against the
+#             legacy kernels; bar 2e-2 as parity.py's: with bf16 activations two fp32 summation orders
+#             differ by 4e-3 (0.6B) to 1.2e-2 (4B)
+# Logs and JSON go to $OUT (or ./out): qwen.log (everything), parity*.json, bench_*.json, variants.md.
 # BIN_DIR=dir: use prebuilt qwen, qwen_gpu, qwen_host from dir when they run here (skips the build).
-# xcheck (teacher-forced logits of the 0.6B and 4B shapes, every kernel variant against the legacy
-# kernels), parity_small (parity.py with 2 KiB streaming tiles: GEMV items of 1-4 rows).
-# QWEN_KERNELS, QWEN_STREAM_TILE_KB, QWEN_STREAM_SLOTS: defaults of the qwen CLI (and so of parity.py).
+# QWEN_KERNELS, QWEN_STREAM_TILE_KB, QWEN_STREAM_SLOTS, QWEN_STREAM_TRACE: defaults of the qwen CLI
+# (and so of parity.py); QWEN_TEST_KERNELS: the GPU test's variants.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu-qwen}
@@ -73,7 +79,7 @@ for shape in ["qwen3-0.6b", "qwen3-4b"]:
         rel = np.linalg.norm(x - ref, axis=1) / np.linalg.norm(ref, axis=1)
         agree = int((x.argmax(1) == ref.argmax(1)).sum())
         print(f"xcheck {shape} {f[len(shape)+1:-4]} vs legacy: {len(rel)} teacher-forced steps, max rel L2 {rel.max():.3e}, "
-              f"median {np.median(rel):.3e}, argmax agree {agree}/{len(rel)} -> {'PASS' if rel.max() < 1e-2 else 'FAIL'}")
+              f"median {np.median(rel):.3e}, argmax agree {agree}/{len(rel)} -> {'PASS' if rel.max() < 2e-2 else 'FAIL'}")
 PY
       ;;
     demo)
