@@ -19,6 +19,8 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -68,20 +70,25 @@ double timed_us(replay::stream_ref s, int reps, F&& body) {
   return median(std::move(t));
 }
 
-/// Median host time of one call of `launch` (not waiting for the GPU); synchronises every 32
-/// launches so the launch queue never fills up and blocks the host.
-template <class F>
-double host_launch_us(replay::stream_ref s, int reps, F&& launch) {
-  std::vector<double> t;
-  t.reserve(reps);
+/// Median host time of one call of `a` and of `b` (not waiting for the GPU), interleaved call by
+/// call so that both see the same conditions; the stream is drained (untimed) after every call, so
+/// the launch queue is empty and back-pressure never inflates one side.
+template <class A, class B>
+std::pair<double, double> host_launch_us(replay::stream_ref s, int reps, A&& a, B&& b) {
+  std::vector<double> ta, tb;
+  ta.reserve(reps);
+  tb.reserve(reps);
   for (int r = 0; r < reps; ++r) {
-    const auto t0 = clock_type::now();
-    launch();
-    t.push_back(us_since(t0));
-    if (r % 32 == 31) s.synchronize();
+    auto t0 = clock_type::now();
+    a();
+    ta.push_back(us_since(t0));
+    s.synchronize();
+    t0 = clock_type::now();
+    b();
+    tb.push_back(us_since(t0));
+    s.synchronize();
   }
-  s.synchronize();
-  return median(std::move(t));
+  return {median(std::move(ta)), median(std::move(tb))};
 }
 
 row measure(replay::stream_ref s, unsigned long long* counter, int n, int iters) {
@@ -107,10 +114,9 @@ row measure(replay::stream_ref s, unsigned long long* counter, int n, int iters)
 
   // Host cost of one launch: through replay and raw, interleaved in the same run.
   const int host_reps = std::max(iters, 200);
-  r.launch_host_us = host_launch_us(s, host_reps, [&] { exec.launch(s); });
-  r.raw_launch_host_us = host_launch_us(s, host_reps, [&] {
-    REPLAY_CHECK(cudaGraphLaunch(exec.get(), s.get()));
-  });
+  std::tie(r.launch_host_us, r.raw_launch_host_us) = host_launch_us(
+      s, host_reps, [&] { exec.launch(s); },
+      [&] { REPLAY_CHECK(cudaGraphLaunch(exec.get(), s.get())); });
   expected += static_cast<unsigned long long>(n) * 2 * host_reps;
 
   unsigned long long got = 0;
