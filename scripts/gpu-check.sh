@@ -28,7 +28,7 @@ for cmd in "${gpu_cmds[@]}"; do
     sflags=${pass%%|*}; tflags=${pass#*|}
     case "$cmd" in *gpu_test_*|*_gpu|*_decode) ;; *) tflags="" ;; esac  # doctest filters only for doctest programs
     echo "== memcheck $(basename "${cmd%% *}") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
-    eval "$san $sflags $cmd $tflags" >>"$out/memcheck-full.log" 2>&1
+    eval "timeout ${MEMCHECK_TIMEOUT:-240} $san $sflags $cmd $tflags" >>"$out/memcheck-full.log" 2>&1 || echo "exit $? ($cmd)" >>"$out/memcheck-full.log"
     tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases" | tee -a "$out/memcheck.log"
   done
 done
