@@ -29,7 +29,7 @@ for cmd in "${gpu_cmds[@]}"; do
     case "$cmd" in *gpu_test_*|*_gpu|*_decode) ;; *) tflags="" ;; esac  # doctest filters only for doctest programs
     echo "== memcheck $(basename "${cmd%% *}") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
     eval "timeout ${MEMCHECK_TIMEOUT:-240} $san $sflags $cmd $tflags" >>"$out/memcheck-full.log" 2>&1 || echo "exit $? ($cmd)" >>"$out/memcheck-full.log"
-    tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases" | tee -a "$out/memcheck.log"
+    tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases|^exit " | tee -a "$out/memcheck.log"
   done
 done
 "$build/examples/launch_overhead/launch_overhead" --iters 300 --json "$out/launch_overhead.json" 2>&1 | tee "$out/launch_overhead.txt"
