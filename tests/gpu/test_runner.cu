@@ -3,6 +3,7 @@
 // cudaStreamSynchronize during capture (output still correct, no error left behind), and the
 // REPLAY_CUDA_GRAPHS=0 kill switch.
 #include <doctest/doctest.h>
+#include <env_guard.hpp>
 #include <gpu_test.hpp>
 #include <replay/replay.hpp>
 
@@ -26,19 +27,7 @@ replay::graph_key key_for(std::size_t bucket) {
   return replay::graph_key{.bucket = static_cast<std::uint32_t>(bucket)};
 }
 
-/// Sets REPLAY_CUDA_GRAPHS for one scope (re-parsed) and restores it afterwards.
-struct env_guard {
-  std::optional<std::string> old;
-  explicit env_guard(const char* value) {
-    if (const char* o = std::getenv(replay::graphs_env_var)) old = o;
-    if (value) setenv(replay::graphs_env_var, value, 1); else unsetenv(replay::graphs_env_var);
-    replay::refresh_graphs_env();
-  }
-  ~env_guard() {
-    if (old) setenv(replay::graphs_env_var, old->c_str(), 1); else unsetenv(replay::graphs_env_var);
-    replay::refresh_graphs_env();
-  }
-};
+using replay_test::env_guard;
 
 /// Runs `steps` decode steps of `n` rows through `runner` (run_batch), checking every output row
 /// against the formula; returns the number of wrong values.

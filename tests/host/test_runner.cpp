@@ -2,6 +2,7 @@
 // capture or replay failure (one warning, the step still runs), runner vs key fallback scope,
 // oversize batches, and the statistics the runner feeds.
 #include <doctest/doctest.h>
+#include <env_guard.hpp>
 #include <replay/runner.hpp>
 
 #include "pool_fake_backend.hpp"
@@ -27,19 +28,7 @@ replay::graph_key key_for(std::size_t bucket) {
   return replay::graph_key{.bucket = static_cast<std::uint32_t>(bucket)};
 }
 
-/// Sets REPLAY_CUDA_GRAPHS for one scope and restores it (and the parsed switch) afterwards.
-struct env_guard {
-  std::optional<std::string> old;
-  explicit env_guard(const char* value) {
-    if (const char* o = std::getenv(replay::graphs_env_var)) old = o;
-    if (value) setenv(replay::graphs_env_var, value, 1); else unsetenv(replay::graphs_env_var);
-    replay::refresh_graphs_env();
-  }
-  ~env_guard() {
-    if (old) setenv(replay::graphs_env_var, old->c_str(), 1); else unsetenv(replay::graphs_env_var);
-    replay::refresh_graphs_env();
-  }
-};
+using replay_test::env_guard;
 
 /// A runner over a fake backend whose step records what ran ("eager 8" / "captured 8") and can be
 /// told to fail under capture for some buckets.
