@@ -69,6 +69,12 @@ bool pdl_enabled();
 /// or 8). Process-wide; set before capturing graphs.
 void set_gemv_loads(int u);
 int gemv_loads();
+/// Pipelined GEMV (default on): one block per SM streams its contiguous share of W through a ring of
+/// shared-memory slots with bulk copies, the first ones issued before waiting for the previous kernel.
+/// Off: the per-row GEMV (one warp per output row, set_gemv_loads loads in flight). Process-wide; set
+/// before capturing graphs.
+void set_gemv_pipe(bool on);
+bool gemv_pipe();
 
 /// Deterministic uniform(-scale, scale) fill from (seed, index): the random initialisation.
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s);

@@ -217,9 +217,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of random weights and prompts");
   app.add_flag("--no-pdl", no_pdl, "launch kernels without programmatic dependent launch (for comparison)");
   app.add_option("--kernels", kernels_s,
-                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default): step "
-                 "(streaming kernel, one launch per step), layer, phase, legacy (one GEMV kernel per matrix), "
-                 "legacy8 (8 loads in flight)");
+                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default, pipe): "
+                 "pipe (one GEMV kernel per matrix, weights streamed through shared memory), legacy (one "
+                 "GEMV kernel per matrix, one warp per row), legacy8 (8 loads in flight), step (streaming "
+                 "kernel, one launch per step), layer, phase");
   app.add_option("--stream-tile-kb", stream_tile_kb,
                  "streaming kernel: weight KiB per work item, about (default: $QWEN_STREAM_TILE_KB or 40)");
   app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most, 2..8 (default: $QWEN_STREAM_SLOTS or 8)");

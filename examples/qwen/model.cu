@@ -428,6 +428,7 @@ struct Engine::Impl {
               V = cfg.vocab_size;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     set_gemv_loads(opt.kernels == decode_kernels::legacy_u8 ? 8 : 4);
+    set_gemv_pipe(opt.kernels == decode_kernels::pipe);
     if (auto it = programs.find(rows); it != programs.end()) {
       for (const auto& Lc : it->second.launches)
         launch_stream(Lc, rows, cfg.head_dim, cfg.group_size(), it->second.geo, s);

@@ -43,7 +43,7 @@ Variant parse_variant(const std::string& s) {
 std::vector<Variant> test_variants() {
   const char* env = std::getenv("QWEN_TEST_KERNELS");
   const std::string list =
-      env != nullptr && *env != '\0' ? env : "legacy,legacy8,phase,layer,step,step:2048:2,step:1024,layer:1024:3";
+      env != nullptr && *env != '\0' ? env : "pipe,legacy,legacy8,phase,layer,step,step:2048:2,step:1024,layer:1024:3";
   std::vector<Variant> v;
   std::stringstream ss(list);
   std::string item;
