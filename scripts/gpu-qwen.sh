@@ -8,7 +8,7 @@
 #   parity_small  the same with 2 KiB streaming tiles (GEMV items of 1-4 rows; parity_small.json)
 #   demo      staggered batch; bench: 0.6B and 4B batch-1 TPOT vs D2D and batched throughput
 #   bench1    batch-1 bench only; nopdl: batch-1 bench without PDL
-#   pipe      batch-1 TPOT of the pipelined GEMV (default) and the per-row GEMV (legacy), 0.6B and 4B
+#   gemv      batch-1/2/4 TPOT of the pipelined per-row GEMV (rowpipe, default) and the per-row GEMV (legacy)
 #   nsys      per-kernel GPU time summary and trace tail of a 0.6B / 4B graph bench (if nsys is installed)
 #   longctx   batch-1 TPOT after a 2000-token prompt, legacy and streaming kernels
 #   variants  batch-1 TPOT of every decode-kernel variant and streaming setting, 0.6B and 4B, plus a
@@ -60,7 +60,7 @@ for s in $stages; do
     xcheck)
       xdir=$(mktemp -d)
       for shape in qwen3-0.6b qwen3-4b; do
-        IFS=',' read -ra xv <<<"${XCHECK_VARIANTS:-legacy,pipe,phase,layer,step,step --stream-tile-kb 8,step --stream-slots 2}"
+        IFS=',' read -ra xv <<<"${XCHECK_VARIANTS:-legacy,rowpipe,phase,layer,step,step --stream-tile-kb 8,step --stream-slots 2}"
         for v in "${xv[@]}"; do
           tag=$(echo "$v" | tr -d ' -' | sed 's/streamtilekb/t/; s/streamslots/s/')
           run timeout 120 "$q" --preset $shape --random-prompt 40 --teacher-force 8 --mode both --kernels $v \
@@ -97,12 +97,12 @@ PY
     bench1)  # batch-1 only (quick re-measure after a kernel change)
       run "$q" --preset qwen3-0.6b --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
       run "$q" --preset qwen3-4b --bench --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 8192 ;;
-    pipe)  # batch-1 TPOT, pipelined GEMV vs the per-row GEMV, one process each; batches 2 and 4 with pipe
+    gemv)  # batch-1/2/4 TPOT, pipelined vs plain per-row GEMV, one process each
       for shape in qwen3-0.6b qwen3-4b; do
         kv=4096; [ $shape = qwen3-4b ] && kv=8192
-        for k in pipe legacy pipe; do
+        for k in ${GEMV_KERNELS:-rowpipe legacy}; do
           run timeout 120 "$q" --preset $shape --bench --random-prompt 16 --gen 128 --bench-batches 1,2,4 --kv-mem-mb $kv \
-            --kernels $k --json "$out/pipe_${shape}_$k.json"
+            --kernels $k --json "$out/gemv_${shape}_$k.json"
         done
       done ;;
     nsys)  # per-kernel GPU times of the 0.6B graph step (nsys, graph nodes traced), when nsys is installed
@@ -111,7 +111,7 @@ PY
         for shape in qwen3-0.6b qwen3-4b; do
           run timeout 200 "$ns" profile --cuda-graph-trace=node --force-overwrite true -o "/tmp/prof_$shape" \
             "$q" --preset $shape --bench --random-prompt 16 --gen 32 --bench-batches 1 --kv-mem-mb 4096 --quiet \
-            --kernels ${NSYS_KERNELS:-pipe}
+            --kernels ${NSYS_KERNELS:-rowpipe}
           "$ns" stats --force-export=true --report cuda_gpu_kern_sum --format csv "/tmp/prof_$shape.nsys-rep" \
             >"$out/nsys_${shape}_kern_sum.csv" 2>&1
           "$ns" stats --report cuda_gpu_trace --format csv "/tmp/prof_$shape.nsys-rep" 2>/dev/null | tail -800 \

@@ -106,7 +106,7 @@ __device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, fl
 constexpr unsigned long long kStuckNs = 10'000'000'000ull;  // a wait this long is a bug: trap
 
 // ------------------------------------------------------------------------------------------------
-// PTX wrappers: mbarriers, bulk copies, flags (the streaming kernel and the pipelined GEMV)
+// PTX wrappers: mbarriers, bulk copies, flags (the streaming kernel)
 // ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

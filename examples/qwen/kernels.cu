@@ -8,6 +8,7 @@
 #include <replay/error.hpp>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <utility>
 
@@ -123,12 +124,14 @@ __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float
 }
 
 /// The GEMV epilogue for one output: `a` = W row · x (for silu_mul the gate row), `up` = the up row.
+/// add_f32 is a reduction (red.global.add): no thread waits for the old value, and with one addend
+/// per element the result is the plain fp32 sum y + a.
 template <gemv_out MODE>
 __device__ __forceinline__ void gemv_store(float* y_f32, bf16* y_bf16, std::size_t o, float a, float up) {
   if constexpr (MODE == gemv_out::store_f32 || MODE == gemv_out::argmax) {
     y_f32[o] = a;
   } else if constexpr (MODE == gemv_out::add_f32) {
-    y_f32[o] += a;
+    atomicAdd(y_f32 + o, a);
   } else {
     y_bf16[o] = __float2bfloat16(a / (1.f + __expf(-a)) * up);
   }
@@ -236,181 +239,149 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
 }
 
 // ------------------------------------------------------------------------------------------------
-// Pipelined GEMV (the default decode kernels of buckets 1..4)
+// Pipelined per-row GEMV (the default decode kernels of buckets 1..4)
 //
-// One block per SM, each owning an even, contiguous share of the output rows, so its weights are one
-// contiguous byte range (two for silu_mul: the gate rows and the up rows). Thread 0 streams that
-// range through a ring of shared-memory slots with bulk copies (cp.async.bulk, completing on one
-// mbarrier per slot). The first `slots` copies are issued before griddepcontrol.wait: weights do not
-// depend on earlier kernels, so with programmatic dependent launch a kernel's weights stream in while
-// its predecessor is still finishing. The shared memory is sized so that two such blocks fit on an SM
-// (this kernel and the next one's prefetching block). After the wait the block stages x (normalised
-// when the layer's RMSNorm is fused), then consumes the slots in order and refills each one as soon
-// as every warp is done with it.
-//
-// A slot holds `rpc` output rows (a power of two). With rpc >= 8 each warp computes whole rows; with
-// rpc = 1, 2 or 4 the 8 / rpc warps of a row each take a contiguous K-range and the partial sums are
-// added in shared memory, so a slot of one long row (K = 9728) still keeps all 8 warps busy.
+// The per-row GEMV above issues a warp's U loads, waits for them, computes, and only then issues the
+// next U: while a warp computes it has nothing in flight, so the bytes in flight per SM (what
+// bandwidth needs) depend on how many other warps happen to be waiting. Here each warp walks the
+// same (row, 256*U-wide chunk) sequence but loads chunk i + 1 into a second register set before it
+// computes chunk i, so it always has U loads per lane in flight. Chunk 0 is loaded before
+// griddepcontrol.wait (weights do not depend on earlier kernels).
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kPipeWarps = 8;
-constexpr int kPipeThreads = kPipeWarps * 32;
-constexpr int kPipeMaxSlots = 8;
-constexpr int kPipeHeader = 128;  // mbarriers at the start of dynamic shared memory
-
-/// Host-computed shape of one pipelined GEMV launch.
-struct PipePlan {
-  int rpc = 0;              // output rows per slot (power of two)
-  int slots = 0;            // ring slots
-  unsigned slot_bytes = 0;  // bytes per slot: R * rpc * K * 2
-  unsigned x_bytes = 0;     // staged x: B * K * 2, rounded up to 128
-};
-
-template <int B, gemv_out MODE, bool NORM>
-__global__ void __launch_bounds__(kPipeThreads) gemv_pipe_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
-                                                                 float* y_f32, bf16* y_bf16, int ldy,
-                                                                 unsigned long long* keys, PipePlan plan) {
+template <int B, gemv_out MODE, bool NORM, int U>
+__global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* __restrict__ W, int N, int K,
+                                                                    GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
+                                                                    unsigned long long* keys) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
-  extern __shared__ __align__(128) unsigned char pipe_smem[];
-  auto* full = reinterpret_cast<unsigned long long*>(pipe_smem);
-  bf16* xs = reinterpret_cast<bf16*>(pipe_smem + kPipeHeader);
-  unsigned char* ring = pipe_smem + kPipeHeader + plan.x_bytes;
-  __shared__ float red[kPipeWarps][B];
-  __shared__ float part[2][kPipeWarps][R][B];  // K-split partial sums, double-buffered by chunk parity
-  __shared__ unsigned long long red_key[kPipeWarps][B];
-
+  constexpr int kChunk = 256 * U;  // weights per row per chunk (a warp's U loads per lane)
+  extern __shared__ uint4 smem_u4[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K]
+  __shared__ float red[kGemvWarps][B];
+  __shared__ unsigned long long red_key[kGemvWarps][B];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int r0 = static_cast<int>(static_cast<long long>(N) * blockIdx.x / gridDim.x);
-  const int r1 = static_cast<int>(static_cast<long long>(N) * (blockIdx.x + 1) / gridDim.x);
-  const int rpc = plan.rpc, P = plan.slots;
-  const int nchunks = (r1 - r0 + rpc - 1) / rpc;
-  const std::size_t row_bytes = std::size_t(K) * sizeof(bf16);
-  const unsigned long long policy = evict_first_policy();
+  const int stride = gridDim.x * kGemvWarps;
 
-  // Chunk c: rows [r0 + c * rpc, +cnt) into slot c % P (gate rows first, up rows at + rpc rows).
-  auto issue = [&](int c) {
-    const int row = r0 + c * rpc, cnt = min(rpc, r1 - row);
-    const unsigned bytes = static_cast<unsigned>(cnt * row_bytes);
-    unsigned char* dst = ring + std::size_t(c % P) * plan.slot_bytes;
-    unsigned long long* bar = full + (c % P);
-    mbar_arrive_tx(bar, R * bytes);
-    bulk_load(dst, W + std::size_t(row) * K, bytes, bar, policy);
-    if constexpr (R == 2) bulk_load(dst + rpc * row_bytes, W + std::size_t(N + row) * K, bytes, bar, policy);
-  };
-
-  pdl_trigger();
-  if (tid == 0) {
-    for (int i = 0; i < P; ++i) mbar_init(full + i, 1);
-    mbar_fence_init();
-    for (int c = 0; c < P && c < nchunks; ++c) issue(c);
-  }
-  pdl_wait();
-  stage_x<B, NORM, kPipeWarps>(in, K, xs, red);
-  __syncthreads();  // x staged; the mbarriers' initialisation is visible to every thread
-
-  const int V = K / 8;                       // 16-byte vectors per row
-  const int parts = rpc >= kPipeWarps ? 1 : kPipeWarps / rpc;
-  const int my_row = warp % rpc, my_part = warp / rpc;  // K-split mapping (parts > 1)
-  const int v_beg = V * my_part / parts, v_end = V * (my_part + 1) / parts;
-  unsigned long long best[B];
+  using Regs = uint4[R][U];
+  auto load = [&](Regs& w, int row, int base) {
 #pragma unroll
-  for (int b = 0; b < B; ++b) best[b] = 0ull;
-
-  for (int c = 0; c < nchunks; ++c) {
-    const int row = r0 + c * rpc, cnt = min(rpc, r1 - row);
-    mbar_wait(full + (c % P), static_cast<unsigned>(c / P) & 1u, c % P);
-    const bf16* slot = reinterpret_cast<const bf16*>(ring + std::size_t(c % P) * plan.slot_bytes);
-
-    // Dot products of rows i (warp's rows) over vectors [vb, ve) of K, lane-strided.
-    auto dot = [&](int i, int vb, int ve, float (&acc)[R][B]) {
+    for (int u = 0; u < U; ++u) {
+      const int k = base + u * 256 + lane * 8;
 #pragma unroll
       for (int r = 0; r < R; ++r)
+        w[r][u] = row < N && k < K ? ld_stream(W + (std::size_t(r) * N + row) * K + k) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto advance = [&](int& row, int& base) {
+    base += kChunk;
+    if (base >= K) base = 0, row += stride;
+  };
+
+  float acc[R][B];
 #pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-      const bf16* w0 = slot + std::size_t(i) * K;
-#pragma unroll 4
-      for (int v = vb + lane; v < ve; v += 32) {
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+  float best_v[B];
+  int best_i[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+
+  auto compute = [&](const Regs& w, int row, int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = base + u * 256 + lane * 8;
+      if (k < K) {
         float wf[R][8];
-        unpack8(*reinterpret_cast<const uint4*>(w0 + v * 8), wf[0]);
-        if constexpr (R == 2) unpack8(*reinterpret_cast<const uint4*>(w0 + std::size_t(rpc) * K + v * 8), wf[R - 1]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
 #pragma unroll
         for (int b = 0; b < B; ++b) {
           float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + v * 8), xf);
+          unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
         }
       }
+    }
+    if (base + kChunk >= K) {  // the row is complete (warp-uniform)
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
-    };
-    auto finish = [&](int n, int b, float a, float up) {
-      gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, a, up);
-      if constexpr (MODE == gemv_out::argmax) {
-        const unsigned long long k = argmax_key(a, n);
-        best[b] = k > best[b] ? k : best[b];
-      }
-    };
-
-    if (parts == 1) {
-      for (int i = warp; i < cnt; i += kPipeWarps) {
-        float acc[R][B];
-        dot(i, 0, V, acc);
-        if (lane == 0) {
+      if (lane == 0) {
 #pragma unroll
-          for (int b = 0; b < B; ++b) finish(row + i, b, acc[0][b], acc[R - 1][b]);
+        for (int b = 0; b < B; ++b) {
+          gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + row, acc[0][b], acc[R - 1][b]);
+          if constexpr (MODE == gemv_out::argmax)
+            if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = row;
         }
       }
-      __syncthreads();  // every warp is done with the slot
-    } else {
-      if (my_row < cnt) {
-        float acc[R][B];
-        dot(my_row, v_beg, v_end, acc);
-        if (lane == 0) {
 #pragma unroll
-          for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int b = 0; b < B; ++b) part[c & 1][warp][r][b] = acc[r][b];
-        }
-      }
-      __syncthreads();  // every warp is done with the slot; partial sums visible
-      if (tid < cnt * B) {
-        const int i = tid / B, b = tid % B;
-        float a[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          a[r] = 0.f;
-          for (int p = 0; p < parts; ++p) a[r] += part[c & 1][p * rpc + i][r][b];
-        }
-        finish(row + i, b, a[0], a[R - 1]);
-      }
+        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
     }
-    if (tid == 0 && c + P < nchunks) issue(c + P);
+  };
+
+  Regs wa, wb;
+  int n = blockIdx.x * kGemvWarps + warp, kb = 0;
+  pdl_trigger();
+  load(wa, n, kb);  // weights do not depend on earlier kernels
+  pdl_wait();
+  stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+  __syncthreads();
+
+  int n2 = n, kb2 = kb;
+  advance(n2, kb2);
+  while (n < N) {  // two chunks per trip, so that the register sets never swap (no dynamic indexing)
+    load(wb, n2, kb2);
+    compute(wa, n, kb);
+    n = n2, kb = kb2;
+    advance(n2, kb2);
+    if (n >= N) break;
+    load(wa, n2, kb2);
+    compute(wb, n, kb);
+    n = n2, kb = kb2;
+    advance(n2, kb2);
   }
 
   if constexpr (MODE == gemv_out::argmax) {
+    if (lane == 0) {
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      unsigned long long k = best[b];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, k, o);
-        k = other > k ? other : k;
-      }
-      if (lane == 0) red_key[warp][b] = k;
+      for (int b = 0; b < B; ++b)
+        red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
     }
     __syncthreads();
     if (tid < B) {
       unsigned long long k = 0;
 #pragma unroll
-      for (int w = 0; w < kPipeWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
+      for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
       if (k != 0) atomicMax(keys + tid, k);
     }
   }
+}
+
+/// Read-bandwidth probe: every thread streams 16-byte loads, 4 in flight, over `n` uint4 (grid-stride)
+/// and folds them into one word so that the loads cannot be dropped.
+__global__ void __launch_bounds__(256) read_probe_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
+  unsigned acc = 0;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = ld_stream(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = ld_stream(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;  // practically never; keeps the loads alive
 }
 
 __global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden, float eps, bf16* out) {
@@ -664,7 +635,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
 bool g_pdl = true;
 int g_gemv_loads = 4;  // U of the legacy GEMV: 16-byte loads in flight per row and lane (4 or 8)
-bool g_gemv_pipe = true;  // pipelined GEMV (gemv_pipe_kernel) where it fits, else the per-row GEMV
+bool g_gemv_rowpipe = true;  // software-pipelined per-row GEMV (gemv_rowpipe_kernel), else gemv_kernel
 
 /// Launches `kernel` with the programmatic-stream-serialization attribute (PDL) when enabled: in a
 /// stream or a captured graph the kernel may start while its predecessor finishes; the kernels'
@@ -690,49 +661,17 @@ int fill_grid(std::size_t n) {
   return static_cast<int>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
 }
 
-constexpr std::size_t kPipeBudget = 96 * 1024;     // dynamic shared memory per block (two fit on an SM)
-constexpr std::size_t kPipeSlotTarget = 24 * 1024; // bytes per slot (about)
-constexpr std::size_t kPipeMaxSmem = 200 * 1024;   // the dynamic shared memory attribute set at init
-
-/// The pipelined GEMV's slots for (B, R, N, K) over `grid` blocks; slots == 0 when it does not fit.
-PipePlan make_pipe_plan(int B, int R, int N, int K, int grid) {
-  PipePlan p;
-  const std::size_t row_bytes = std::size_t(K) * sizeof(bf16);
-  p.x_bytes = static_cast<unsigned>((std::size_t(B) * row_bytes + 127) / 128 * 128);
-  const int rows_max = (N + grid - 1) / grid;
-  int rpc = 1;
-  while (std::size_t(2 * rpc) * R * row_bytes <= kPipeSlotTarget && rpc < rows_max) rpc *= 2;
-  p.rpc = rpc;
-  p.slot_bytes = static_cast<unsigned>(std::size_t(R) * rpc * row_bytes);
-  const int chunks_max = (rows_max + rpc - 1) / rpc;
-  const std::size_t room = kPipeBudget > kPipeHeader + p.x_bytes ? kPipeBudget - kPipeHeader - p.x_bytes : 0;
-  int slots = static_cast<int>(room / p.slot_bytes);
-  slots = slots < 2 ? 2 : (slots > kPipeMaxSlots ? kPipeMaxSlots : slots);
-  p.slots = slots > chunks_max ? chunks_max : slots;
-  if (kPipeHeader + p.x_bytes + std::size_t(p.slots) * p.slot_bytes > kPipeMaxSmem) p.slots = 0;
-  return p;
-}
-
-std::size_t pipe_smem_bytes(const PipePlan& p) { return kPipeHeader + p.x_bytes + std::size_t(p.slots) * p.slot_bytes; }
-
 template <int B, gemv_out MODE, bool NORM>
 void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
                    unsigned long long* keys, int num_sms, cudaStream_t s) {
-  if (g_gemv_pipe && reinterpret_cast<std::uintptr_t>(W) % 16 == 0) {
-    const int grid = N < num_sms ? N : num_sms;
-    const PipePlan plan = make_pipe_plan(B, MODE == gemv_out::silu_mul ? 2 : 1, N, K, grid);
-    if (plan.slots > 0) {
-      launch(gemv_pipe_kernel<B, MODE, NORM>, grid, kPipeThreads, pipe_smem_bytes(plan), s, "qwen::gemv_pipe_kernel", W, N, K,
-             in, y_f32, y_bf16, ldy, keys, plan);
-      return;
-    }
-  }
-  auto kernel = g_gemv_loads == 8 ? gemv_kernel<B, MODE, NORM, 8> : gemv_kernel<B, MODE, NORM, 4>;
+  auto kernel = g_gemv_rowpipe ? (g_gemv_loads == 8 ? gemv_rowpipe_kernel<B, MODE, NORM, 8>
+                                                   : gemv_rowpipe_kernel<B, MODE, NORM, 4>)
+                               : (g_gemv_loads == 8 ? gemv_kernel<B, MODE, NORM, 8> : gemv_kernel<B, MODE, NORM, 4>);
   const std::size_t smem = std::size_t(B) * K * sizeof(bf16);
   // Occupancy per (kernel, shared-memory size), computed once: the grid is capped at what fits at
   // once, so x is staged once per resident block.
   static std::map<std::pair<std::size_t, int>, int> resident;
-  const auto key = std::make_pair(smem, g_gemv_loads);
+  const auto key = std::make_pair(smem, g_gemv_loads * 2 + (g_gemv_rowpipe ? 1 : 0));
   auto it = resident.find(key);
   if (it == resident.end()) {
     int per_sm = 0;
@@ -762,9 +701,19 @@ void gemv_rows(const bf16* W, int N, int K, GemvIn in, gemv_out mode, float* y_f
     throw replay::usage_error("qwen::launch_gemv: unsupported (input, output) combination");
 }
 
+/// Every kernel of the decode step asks for the same L1 / shared-memory split (the most shared
+/// memory): an SM only runs blocks of kernels with one configuration at a time, so kernels wanting
+/// different splits could not overlap under programmatic dependent launch.
+template <class F>
+void set_carveout(F kernel) {
+  REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+}
+
 template <class F>
 void set_max_smem(F kernel) {
   REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  set_carveout(kernel);
 }
 
 template <int B, int U>
@@ -773,15 +722,15 @@ void init_gemv_attrs_u() {
   set_max_smem(gemv_kernel<B, gemv_out::silu_mul, true, U>);
   set_max_smem(gemv_kernel<B, gemv_out::argmax, true, U>);
   set_max_smem(gemv_kernel<B, gemv_out::add_f32, false, U>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::store_f32, true, U>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::silu_mul, true, U>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::argmax, true, U>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::add_f32, false, U>);
 }
 template <int B>
 void init_gemv_attrs() {
   init_gemv_attrs_u<B, 4>();
   init_gemv_attrs_u<B, 8>();
-  set_max_smem(gemv_pipe_kernel<B, gemv_out::store_f32, true>);
-  set_max_smem(gemv_pipe_kernel<B, gemv_out::silu_mul, true>);
-  set_max_smem(gemv_pipe_kernel<B, gemv_out::argmax, true>);
-  set_max_smem(gemv_pipe_kernel<B, gemv_out::add_f32, false>);
 }
 
 template <int D>
@@ -813,10 +762,19 @@ void set_gemv_loads(int u) {
   g_gemv_loads = u;
 }
 int gemv_loads() { return g_gemv_loads; }
-void set_gemv_pipe(bool on) { g_gemv_pipe = on; }
-bool gemv_pipe() { return g_gemv_pipe; }
+void set_gemv_rowpipe(bool on) { g_gemv_rowpipe = on; }
+bool gemv_rowpipe() { return g_gemv_rowpipe; }
 
 void init_kernel_attributes() {
+  set_carveout(embed_kernel);
+  set_carveout(attention_kernel<128, 1>);
+  set_carveout(attention_kernel<128, 2>);
+  set_carveout(attention_kernel<128, 4>);
+  set_carveout(attention_kernel<128, 8>);
+  set_carveout(attention_kernel<64, 1>);
+  set_carveout(attention_kernel<64, 2>);
+  set_carveout(attention_kernel<64, 4>);
+  set_carveout(attention_kernel<64, 8>);
   init_gemv_attrs<1>();
   init_gemv_attrs<2>();
   init_gemv_attrs<3>();
@@ -858,6 +816,11 @@ void launch_gemv(const bf16* W, int N, int K, int rows, GemvIn in, gemv_out mode
     case 4: gemv_rows<4>(W, N, K, in, mode, y_f32, y_bf16, ldy, keys, num_sms, s.get()); break;
     default: throw replay::usage_error("qwen::launch_gemv: rows must be 1..4");
   }
+}
+
+void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s) {
+  read_probe_kernel<<<num_sms * 8, 256, 0, s.get()>>>(static_cast<const uint4*>(p), bytes / 16, sink);
+  REPLAY_CHECK_LAUNCH("qwen::read_probe_kernel");
 }
 
 void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps, int rows, bf16* out,

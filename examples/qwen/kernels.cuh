@@ -69,12 +69,12 @@ bool pdl_enabled();
 /// or 8). Process-wide; set before capturing graphs.
 void set_gemv_loads(int u);
 int gemv_loads();
-/// Pipelined GEMV (default on): one block per SM streams its contiguous share of W through a ring of
-/// shared-memory slots with bulk copies, the first ones issued before waiting for the previous kernel.
-/// Off: the per-row GEMV (one warp per output row, set_gemv_loads loads in flight). Process-wide; set
-/// before capturing graphs.
-void set_gemv_pipe(bool on);
-bool gemv_pipe();
+/// Software-pipelined per-row GEMV (default on): each warp loads its next chunk of weights before it
+/// computes the current one, so its loads are always in flight; the first chunk is loaded before
+/// waiting for the previous kernel. Off: the plain per-row GEMV. Both: one warp per output row,
+/// set_gemv_loads 16-byte loads per lane and chunk. Process-wide; set before capturing graphs.
+void set_gemv_rowpipe(bool on);
+bool gemv_rowpipe();
 
 /// Deterministic uniform(-scale, scale) fill from (seed, index): the random initialisation.
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s);
@@ -108,6 +108,10 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
                       const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, bf16* out,
                       replay::stream_ref s);
+
+/// Read-bandwidth probe (the floor of a kernel that only streams `bytes` from p): 16-byte loads,
+/// 8 blocks of 256 threads per SM, 4 loads in flight per thread.
+void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s);
 
 /// Decodes a packed argmax key into the token id.
 inline int key_to_token(unsigned long long key) { return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu)); }

@@ -357,7 +357,10 @@ struct Engine::Impl {
 
   [[nodiscard]] std::string describe_kernels() const {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
-    if (!streaming()) return s + (opt.kernels == decode_kernels::legacy_u8 ? " (8 loads in flight)" : "");
+    if (!streaming())
+      return s + (opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8
+                      ? " (8 loads in flight)"
+                      : "");
     if (programs.empty()) return s + " (shape not supported by the streaming kernel: legacy kernels)";
     for (const auto& [b, p] : programs)
       s += fmt::format("; bucket {}: {} launch(es), grid {}, {} slots x {} KiB, smem {} KiB", b, p.launches.size(),
@@ -427,8 +430,8 @@ struct Engine::Impl {
     const int H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim(), QKV = cfg.qkv_dim(),
               V = cfg.vocab_size;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
-    set_gemv_loads(opt.kernels == decode_kernels::legacy_u8 ? 8 : 4);
-    set_gemv_pipe(opt.kernels == decode_kernels::pipe);
+    set_gemv_loads(opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8 ? 8 : 4);
+    set_gemv_rowpipe(opt.kernels == decode_kernels::rowpipe || opt.kernels == decode_kernels::rowpipe_u8);
     if (auto it = programs.find(rows); it != programs.end()) {
       for (const auto& Lc : it->second.launches)
         launch_stream(Lc, rows, cfg.head_dim, cfg.group_size(), it->second.geo, s);
