@@ -443,14 +443,12 @@ __device__ __forceinline__ bf16* kv_slot_ptr(const KvPool& kv, bf16* layer_base,
 }
 
 /// Norm + RoPE of K head `h` of row r, and its V, written into the paged pool at the row's position.
+/// `blk` is the physical block holding position `pos` of the row's sequence.
 template <int D>
 __device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, int kv_dim, const bf16* k_norm,
-                                              float eps, const float2* rope, const RowMeta& meta, int r,
-                                              const KvPool& kv, int layer, int h, int lane) {
+                                              float eps, const float2* rope, int pos, int blk, const KvPool& kv,
+                                              int layer, int h, int lane) {
   constexpr int E = D / 64;
-  const int pos = meta.pos[r];
-  const int slot = meta.slot[r];
-  const int blk = meta.block_table[std::size_t(slot) * meta.table_width + pos / kv.block_size];
   const int off = pos % kv.block_size;
   bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
   bf16* kp = kv_slot_ptr(kv, kbase, blk, h, off);
@@ -473,7 +471,9 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
   pdl_wait();
   const int r = blockIdx.x, h = blockIdx.y;
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
-  write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, meta, r, kv, layer, h, threadIdx.x & 31);
+  const int pos = meta.pos[r];
+  const int blk = meta.block_table[std::size_t(meta.slot[r]) * meta.table_width + pos / kv.block_size];
+  write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk, kv, layer, h, threadIdx.x & 31);
 }
 
 constexpr int kAttnWarps = 8;
@@ -493,13 +493,41 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   __shared__ float red_acc[kAttnWarps][G][D];
 
   pdl_trigger();
-  pdl_wait();
   const int kvh = blockIdx.x, r = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
+  const int sub = lane & 7, grp = lane >> 3;
+  const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
+  const bf16* vbase = kbase + kv.kv_stride();
+  constexpr int T = 2;  // tokens per lane group per iteration: their K/V loads are in flight together
+  auto kv_offset = [&](int blk, int t) {
+    return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+  };
+
+  // Before waiting for the QKV projection: the step metadata (written before the step began) and,
+  // in decode (write_kv: this kernel is the only writer of the layer's cache in the step, at
+  // position pos), the first iteration's K/V of the earlier positions. In prefill the kernel before
+  // this one writes the chunk's K/V, so everything is read after the wait.
+  const bool pre = write_kv != 0;
   const int pos = meta.pos[r];
   const int seq_len = pos + 1;
   const std::int32_t* table = meta.block_table + std::size_t(meta.slot[r]) * meta.table_width;
+  const int blk_pos = table[pos / kv.block_size];
+  uint4 kr[T][NV], vr[T][NV];
+#pragma unroll
+  for (int u = 0; u < T; ++u) {
+    const int t = warp * 4 + u * kAttnWarps * 4 + grp;
+    if (pre && t < pos) {
+      const std::size_t o = kv_offset(table[t / kv.block_size], t);
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+        vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+      }
+    }
+  }
+  pdl_wait();
+
+  const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
   const float scale = rsqrtf(static_cast<float>(D));
 
   for (int item = warp; item < G + (write_kv ? 1 : 0); item += kAttnWarps) {
@@ -512,12 +540,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         q_s[item][D / 2 + lane * E + e] = hi[e] * scale;
       }
     } else {
-      write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, meta, r, kv, layer, kvh, lane);
+      write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk_pos, kv, layer, kvh, lane);
     }
   }
   __syncthreads();
 
-  const int sub = lane & 7, grp = lane >> 3;
   float q[G][DPL];
 #pragma unroll
   for (int h = 0; h < G; ++h)
@@ -530,29 +557,22 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
     for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
   }
-  const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
-  const bf16* vbase = kbase + kv.kv_stride();
 
-  constexpr int T = 2;  // tokens per lane group per iteration: their K/V loads are in flight together
   for (int base = warp * 4; base < seq_len; base += kAttnWarps * 4 * T) {
-    uint4 kr[T][NV], vr[T][NV];
     bool valid[T];
 #pragma unroll
     for (int u = 0; u < T; ++u) {
       const int t = base + u * kAttnWarps * 4 + grp;
       valid[u] = t < seq_len;
-      if (valid[u]) {
-        const int blk = table[t / kv.block_size];
-        const std::size_t o =
-            ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+      // The first iteration's earlier positions are in registers already; position pos was written
+      // above (visible after the barrier).
+      if (valid[u] && (base != warp * 4 || !pre || t == pos)) {
+        const std::size_t o = kv_offset(t == pos ? blk_pos : table[t / kv.block_size], t);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
           vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < NV; ++i) kr[u][i] = vr[u][i] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
