@@ -10,7 +10,7 @@
 #   bench1    batch-1 bench only; nopdl: batch-1 bench without PDL
 #   gemv      batch-1/2/4 TPOT of the pipelined per-row GEMV (rowpipe, default) and the per-row GEMV (legacy)
 #   nsys      per-kernel GPU time summary and trace tail of a 0.6B / 4B graph bench (if nsys is installed)
-#   longctx   batch-1 TPOT after a 2000-token prompt, legacy and streaming kernels
+#   longctx   batch-1 TPOT after a 2000-token prompt, default (rowpipe), legacy and streaming kernels
 #   variants  batch-1 TPOT of every decode-kernel variant and streaming setting, 0.6B and 4B, plus a
 #             phase-completion trace of the streaming kernel (variants.md)
 #   xcheck    teacher-forced logits of the 0.6B and 4B shapes (random weights), every variant against the
@@ -123,7 +123,7 @@ PY
       run "$q" --preset qwen3-0.6b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
       run "$q" --preset qwen3-4b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 8192 ;;
     longctx)  # attention cost grows with the context: batch-1 TPOT after a 2000-token prompt
-      for k in legacy step; do
+      for k in rowpipe legacy step; do
         run timeout 120 "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 --bench-batches 1 --kv-mem-mb 4096 \
           --kernels $k
       done ;;
