@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
+#include <cstdlib>
 #include <map>
 #include <utility>
 
@@ -724,8 +726,14 @@ void gemv_rows(const bf16* W, int N, int K, GemvIn in, gemv_out mode, float* y_f
 /// Every kernel of the decode step asks for the same L1 / shared-memory split (the most shared
 /// memory): an SM only runs blocks of kernels with one configuration at a time, so kernels wanting
 /// different splits could not overlap under programmatic dependent launch.
+/// QWEN_CARVEOUT=default leaves the driver's choice (diagnostics).
 template <class F>
 void set_carveout(F kernel) {
+  static const bool skip = [] {
+    const char* v = std::getenv("QWEN_CARVEOUT");
+    return v != nullptr && std::string_view(v) == "default";
+  }();
+  if (skip) return;
   REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     static_cast<int>(cudaSharedmemCarveoutMaxShared)));
 }
