@@ -142,6 +142,74 @@ __device__ __forceinline__ void gemv_store(float* y_f32, bf16* y_bf16, std::size
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = kGemvWarps * 32;
 
+/// One chunk of a warp's row(s): acc[r][b] += w[r][u] · x[b] for the U 16-byte pieces at
+/// k0 + 256 u (k0 includes the lane's 8-element offset); pieces at or past K are skipped.
+template <int B, int R, int U>
+__device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf16* xs, int K, int k0,
+                                               float (&acc)[R][B]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = k0 + u * 256;
+    if (k < K) {
+      float wf[R][8];
+#pragma unroll
+      for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float xf[8];
+        unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
+      }
+    }
+  }
+}
+
+/// A warp's row n is complete: warp sums, lane 0 runs the epilogue of MODE and tracks the argmax,
+/// and acc is cleared for the next row.
+template <int B, int R, gemv_out MODE>
+__device__ __forceinline__ void gemv_finish_row(float (&acc)[R][B], int n, int lane, float* y_f32, bf16* y_bf16,
+                                                int ldy, float (&best_v)[B], int (&best_i)[B]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, acc[0][b], acc[R - 1][b]);
+      if constexpr (MODE == gemv_out::argmax)
+        if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = n;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+}
+
+/// argmax epilogue of a GEMV block: each warp's best (value, row) per batch row, then one atomicMax of
+/// the block's best key per batch row. Every thread of the block calls it.
+template <int B>
+__device__ __forceinline__ void gemv_argmax_block(const float (&best_v)[B], const int (&best_i)[B],
+                                                  unsigned long long (&red_key)[kGemvWarps][B],
+                                                  unsigned long long* keys) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
+  }
+  __syncthreads();
+  if (tid < B) {
+    unsigned long long k = 0;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
+    if (k != 0) atomicMax(keys + tid, k);
+  }
+}
+
 /// Fused GEMV for B batch rows: stage x (copied, or RMS-normalised from the fp32 residual) in shared
 /// memory as bf16, then each warp computes output rows in a grid-stride loop with 16-byte streaming
 /// loads of W, U of them in flight per row, fp32 accumulation, and the epilogue of MODE.
@@ -191,53 +259,11 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
 #pragma unroll
         for (int r = 0; r < R; ++r) w[r][u] = k < K ? ld_stream(wrow[r] + k) : make_uint4(0, 0, 0, 0);
       }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = k0 + u * 256;
-        if (k < K) {
-          float wf[R][8];
-#pragma unroll
-          for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
-#pragma unroll
-          for (int b = 0; b < B; ++b) {
-            float xf[8];
-            unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-              for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
-          }
-        }
-      }
+      gemv_fma_chunk<B, R, U>(w, xs, K, k0, acc);
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
-
-    if (lane == 0) {
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, acc[0][b], acc[R - 1][b]);
-        if constexpr (MODE == gemv_out::argmax)
-          if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = n;
-      }
-    }
+    gemv_finish_row<B, R, MODE>(acc, n, lane, y_f32, y_bf16, ldy, best_v, best_i);
   }
-  if constexpr (MODE == gemv_out::argmax) {
-    if (lane == 0) {
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-        red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
-    }
-    __syncthreads();
-    if (tid < B) {
-      unsigned long long k = 0;
-#pragma unroll
-      for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
-      if (k != 0) atomicMax(keys + tid, k);
-    }
-  }
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -290,42 +316,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* 
   for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
 
   auto compute = [&](const Regs& w, int row, int base) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = base + u * 256 + lane * 8;
-      if (k < K) {
-        float wf[R][8];
-#pragma unroll
-        for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-          float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
-        }
-      }
-    }
-    if (base + kChunk >= K) {  // the row is complete (warp-uniform)
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
-      if (lane == 0) {
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-          gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + row, acc[0][b], acc[R - 1][b]);
-          if constexpr (MODE == gemv_out::argmax)
-            if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = row;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-    }
+    gemv_fma_chunk<B, R, U>(w, xs, K, base + lane * 8, acc);
+    if (base + kChunk >= K)  // the row is complete (warp-uniform)
+      gemv_finish_row<B, R, MODE>(acc, row, lane, y_f32, y_bf16, ldy, best_v, best_i);
   };
 
   Regs wa, wb;
@@ -349,21 +342,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* 
     n = n2, kb = kb2;
     advance(n2, kb2);
   }
-
-  if constexpr (MODE == gemv_out::argmax) {
-    if (lane == 0) {
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-        red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
-    }
-    __syncthreads();
-    if (tid < B) {
-      unsigned long long k = 0;
-#pragma unroll
-      for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
-      if (k != 0) atomicMax(keys + tid, k);
-    }
-  }
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
 }
 
 /// Read-bandwidth probe: every thread streams 16-byte loads, 4 in flight, over `n` uint4 (grid-stride)
