@@ -135,8 +135,9 @@ constexpr int kNanoPrompt = 8;  // prompt tokens; decode positions cycle through
 
 /// The model (random weights, seed 1337) with its graph captured and an 8-token prompt prefilled.
 /// Built once per process and metadata path: steps synchronised one by one use the example's
-/// default (kernels read the metadata from mapped pinned memory); steps issued back to back need
-/// the metadata pushed to device memory, since a mapped step reads the host word when it runs.
+/// default (the sampler writes the next step's metadata on the device, so a step is launch →
+/// token); steps issued back to back push the metadata before each step (an enqueued step's
+/// successor cannot rely on a token the host has not read).
 struct nano_fixture {
   nanogpt::Model model;
   nanogpt::Sampling sampling{.temperature = 1.0f, .seed = 1337, .greedy = true};
@@ -161,8 +162,8 @@ struct nano_fixture {
 
 nano_fixture& nano(bool sync) {
   if (sync) {
-    static nano_fixture mapped(nanogpt::MetaPath::mapped);
-    return mapped;
+    static nano_fixture advanced(nanogpt::MetaPath::device);
+    return advanced;
   }
   static nano_fixture pushed(nanogpt::MetaPath::push);
   return pushed;

@@ -24,10 +24,11 @@ struct Config {
 static_assert(Config::n_embd == 32, "the kernels map one residual-stream element to one warp lane");
 static_assert(Config::n_head * Config::head_size == Config::n_embd);
 
-/// Everything that changes from one step to the next, in device memory at a fixed address
-/// (replay::step_meta). Kernels read it through a pointer, so a captured graph reads the current
-/// values on every replay instead of the values that were current at capture time.
-struct StepMeta {
+/// Everything that changes from one step to the next, at a fixed address (pinned host memory or
+/// replay::step_meta's device copy, see MetaPath). Kernels read it through a pointer, so a captured
+/// graph reads the current values on every replay instead of the values that were current at
+/// capture time. 16-byte aligned: the kernels read it as two 16-byte loads.
+struct alignas(16) StepMeta {
   std::int32_t token = 0;       ///< decode: the input token of this step (prefill: unused)
   std::int32_t pos = 0;         ///< decode: position of `token` = the KV-cache slot written;
                                 ///< prefill: position of the first prompt token (0)
@@ -38,7 +39,7 @@ struct StepMeta {
   std::uint32_t reserved = 0;   ///< padding (keeps `seed` 8-byte aligned)
   std::uint64_t seed = 1337;    ///< RNG seed: the draw for the token at index i is uniform01(seed, i)
 };
-static_assert(std::is_trivially_copyable_v<StepMeta>);
+static_assert(std::is_trivially_copyable_v<StepMeta> && sizeof(StepMeta) == 32);
 
 /// Sampling settings of one generation (copied into StepMeta for every step).
 struct Sampling {

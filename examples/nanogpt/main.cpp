@@ -54,7 +54,7 @@ struct Options {
   int repeats = 20;
   bool json_out = false;
   bool no_pdl = false;
-  std::string meta = "mapped";
+  std::string meta = "device";
   bool null_kernels = false;
   std::string parity_dump;
   int prefill_len = 0;
@@ -349,8 +349,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-pdl", o.no_pdl, "launch without programmatic dependent launch");
   app.add_option("--meta", o.meta,
                  "how the step metadata reaches the kernels: push (a copy before each step), graph-copy (graph "
-                 "mode: a copy node inside the graph), mapped (the kernels read pinned host memory)")
-      ->check(CLI::IsMember({"push", "graph-copy", "mapped"}))
+                 "mode: a copy node inside the graph), mapped (the kernels read pinned host memory), device (the "
+                 "sampler writes the next step's metadata on the device; the host pushes only steps it did not predict)")
+      ->check(CLI::IsMember({"push", "graph-copy", "mapped", "device"}))
       ->capture_default_str();
   app.add_flag("--null-kernels", o.null_kernels,
                "diagnostics: decode steps launch 10 kernels that do no model work (the floor of the step machinery)");
@@ -390,6 +391,7 @@ int main(int argc, char** argv) {
         .pdl = !o.no_pdl,
         .meta = o.meta == "push" ? nanogpt::MetaPath::push
                 : o.meta == "graph-copy" ? nanogpt::MetaPath::graph_copy
+                : o.meta == "device"     ? nanogpt::MetaPath::device
                                          : nanogpt::MetaPath::mapped,
         .null_kernels = o.null_kernels};
     Model model(weights, options);

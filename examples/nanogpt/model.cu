@@ -82,6 +82,8 @@ struct Buffers {
   float* logits;               // [vocab_size] of the last position processed
   const std::int32_t* prompt;  // [block_size] prompt token ids (step_meta_array, prefill only)
   std::int32_t* token_out;     // pinned host memory: the sampled token
+  StepMeta* advance;           // MetaPath::device: the sampler writes the next step's metadata here
+                               // (the StepMeta the kernels read); nullptr otherwise
   unsigned* counter;           // ModelOptions::null_kernels: the counter the empty kernels increment
 };
 
@@ -115,6 +117,32 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+/// Reads the step metadata from L2 (or over the bus, for pinned host memory), never from L1: with
+/// MetaPath::device the previous step's sampler rewrote it in place (before it handed its token to
+/// the host, which launches this step only then), so a line left in this SM's L1 could be stale.
+__device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
+  const int4* p = reinterpret_cast<const int4*>(meta);
+  const int4 lo = __ldcg(p), hi = __ldcg(p + 1);
+  StepMeta m;
+  static_assert(sizeof(StepMeta) == 2 * sizeof(int4));
+  memcpy(&m, &lo, sizeof(int4));
+  memcpy(reinterpret_cast<char*>(&m) + sizeof(int4), &hi, sizeof(int4));
+  return m;
+}
+
+/// MetaPath::device: the last kernel of a step (or a prefill) writes the metadata of the step that
+/// follows it, the token it sampled at position seq_len, so the host need not write anything for an
+/// ordinary next step. Called after the kernel's wait (every earlier kernel of the step has read the
+/// metadata by then, and this one read it before the wait); the fence makes the write visible
+/// device-wide before the token reaches the host.
+__device__ __forceinline__ void advance_meta(StepMeta* next, const StepMeta& m, int token) {
+  if (next == nullptr) return;
+  next->token = token;
+  next->pos = m.seq_len;
+  next->seq_len = m.seq_len + 1;
+  __threadfence_system();
 }
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & 31; }
@@ -312,7 +340,7 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
   pdl_launch_dependents();
   // The metadata and the prompt were written before this step's first kernel started, and the
   // embeddings are constants: all can be read before waiting for the previous kernel.
-  const StepMeta m = *meta;
+  const StepMeta m = load_meta(meta);
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
   const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
   const int token = !active ? 0 : P == Phase::decode ? m.token : b.prompt[row];
@@ -331,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
                                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
   const int lane = lane_id(), h = warp_id();
-  const int pos = meta->pos;  // needed after the wait only: its load (possibly over the bus) overlaps it
+  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load (possibly over the bus) overlaps it
   // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
   // lanes 24-31 repeat the value rows (their result is not used).
   const int part = min(lane >> 3, 2);
@@ -366,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, in
   const int t = static_cast<int>(threadIdx.x);
   const NormLinearRow w_qkv =
       prefetch_norm_linear(p.qkv_w + min(t, 3 * C::n_embd - 1) * C::n_embd, p.ln1_w, p.ln1_b, 0.0f);
-  const StepMeta m = *meta;
+  const StepMeta m = load_meta(meta);
   const int row = static_cast<int>(blockIdx.x);
   pdl_wait();
   if (row >= m.seq_len) return;
@@ -389,7 +417,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
                                                                      const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
   const ProjSlice w_proj = prefetch_proj(p);
-  const StepMeta m = *meta;
+  const StepMeta m = load_meta(meta);
   const int row = static_cast<int>(blockIdx.x);
   pdl_wait();
   if (row >= m.seq_len) return;
@@ -416,7 +444,7 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
   const float b2 = load_weight(p.fc2_b + lane);
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = P == Phase::decode || row < meta->seq_len;
+  const bool active = P == Phase::decode || row < __ldcg(&meta->seq_len);
   pdl_wait();
   if (!active) return;  // prefill only
   float* x_row = b.x + row * C::n_embd;
@@ -492,7 +520,7 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
-  const StepMeta m = *meta;
+  const StepMeta m = load_meta(meta);
   pdl_wait();
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
   Row32 x = load_activations(b.x + row * C::n_embd);
@@ -506,7 +534,10 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   __syncthreads();
   if (warp_id() == 0) {
     const int token = sample_warp(logits, m);
-    if (lane_id() == 0) *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+    if (lane_id() == 0) {
+      advance_meta(b.advance, m, token);
+      *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+    }
   }
 }
 
@@ -516,11 +547,14 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
 /// back as the "sampled" token.
 __global__ void __launch_bounds__(32) null_step_kernel(const StepMeta* meta, Buffers b, int last) {
   pdl_launch_dependents();
-  const StepMeta m = *meta;
+  const StepMeta m = load_meta(meta);
   pdl_wait();
   if (threadIdx.x == 0) {
     *b.counter += 1;
-    if (last != 0) *static_cast<volatile std::int32_t*>(b.token_out) = m.token;
+    if (last != 0) {
+      advance_meta(b.advance, m, m.token);
+      *static_cast<volatile std::int32_t*>(b.token_out) = m.token;
+    }
   }
 }
 
@@ -650,6 +684,12 @@ struct Model::Impl {
   std::size_t graph_nodes = 0;
   std::size_t graph_kernel_nodes = 0;
   bool step_in_flight = false;    // a step was enqueued and its token not waited for
+  // MetaPath::device: the metadata of the step in flight, and what the device holds after it
+  // (the sampler's prediction, known once its token has been read).
+  StepMeta issued{};
+  StepMeta predicted{};
+  bool predicted_valid = false;
+  std::size_t meta_writes = 0;    // Model::meta_writes()
 
   Impl(const Weights& w, ModelOptions opt)
       : options(opt),
@@ -688,6 +728,7 @@ struct Model::Impl {
     arena.freeze();  // from here on no address changes: safe to capture
     buffers.prompt = prompt.device();
     buffers.token_out = token_out.data();  // pinned host memory is device-accessible under UVA
+    buffers.advance = options.meta == MetaPath::device ? meta.device() : nullptr;
     REPLAY_CHECK(cudaMemsetAsync(arena.base(), 0, arena.capacity(), stream.get()));
     token_out[0] = -1;
     mapped_meta[0] = StepMeta{};
@@ -712,9 +753,22 @@ struct Model::Impl {
   /// Makes `v` the metadata the next kernels read: staged and pushed (push, and eager graph_copy),
   /// staged for the graph's own copy (graph_copy, graph mode), or written in place (mapped).
   void set_meta(const StepMeta& v, bool graph_copies_it) {
+    ++meta_writes;
     if (options.meta == MetaPath::mapped) {
       settle();  // the previous step's kernels may still read it
       mapped_meta[0] = v;
+    } else if (options.meta == MetaPath::device) {
+      // Pushed unless the device already holds it (the previous step's sampler wrote it and its
+      // token was read, so the write is complete). A push is stream-ordered after that step.
+      const bool held = predicted_valid && std::memcmp(&predicted, &v, sizeof v) == 0;
+      predicted_valid = false;
+      issued = v;
+      if (held) {
+        --meta_writes;
+      } else {
+        meta.staging() = v;
+        meta.push(replay::stream_ref(stream.get()));
+      }
     } else if (graph_copies_it) {
       meta.graph_staging() = v;
     } else {
@@ -751,16 +805,26 @@ struct Model::Impl {
     const volatile std::int32_t* slot = token_out.data();
     for (int i = 0; i < (1 << 22); ++i) {
       const std::int32_t t = *slot;
-      if (t >= 0 && t < C::vocab_size) {
-        step_in_flight = false;  // every kernel of the step has read the metadata by now
-        return t;
-      }
+      if (t >= 0 && t < C::vocab_size) return arrived(t);
     }
     REPLAY_CHECK(cudaStreamSynchronize(stream.get()));
-    step_in_flight = false;
     const std::int32_t t = *slot;
     if (t < 0 || t >= C::vocab_size)
       throw std::runtime_error(fmt::format("nanogpt: the step produced no valid token ({})", t));
+    return arrived(t);
+  }
+
+  /// The token of the step in flight arrived: every kernel of the step has read the metadata by
+  /// now, and (MetaPath::device) the device holds the next step's metadata.
+  std::int32_t arrived(std::int32_t t) {
+    step_in_flight = false;
+    if (options.meta == MetaPath::device) {
+      predicted = issued;
+      predicted.token = t;
+      predicted.pos = issued.seq_len;
+      predicted.seq_len = issued.seq_len + 1;
+      predicted_valid = true;
+    }
     return t;
   }
 };
@@ -853,6 +917,7 @@ bool Model::has_graph() const noexcept { return static_cast<bool>(impl_->exec); 
 std::size_t Model::graph_nodes() const noexcept { return impl_->graph_nodes; }
 std::size_t Model::graph_kernel_nodes() const noexcept { return impl_->graph_kernel_nodes; }
 const ModelOptions& Model::options() const noexcept { return impl_->options; }
+std::size_t Model::meta_writes() const noexcept { return impl_->meta_writes; }
 
 cudaStream_t Model::stream() const noexcept { return impl_->stream.get(); }
 

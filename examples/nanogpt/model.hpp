@@ -7,9 +7,11 @@
 // slot the sampler writes the token into. Nothing is allocated after construction, so every address
 // a captured graph holds stays valid for the Model's lifetime.
 //
-// One decode step = write StepMeta (token, pos, seq_len, sampling) → run the step's kernels → the
-// sampler writes the token into pinned host memory, where the host picks it up (it polls that
-// memory, and synchronises the stream only if the token is unusually late). The kernels are the same in
+// One decode step = StepMeta (token, pos, seq_len, sampling) in place → run the step's kernels →
+// the sampler writes the token into pinned host memory, where the host picks it up (it polls that
+// memory, and synchronises the stream only if the token is unusually late). With the default
+// MetaPath::device the sampler has already written the next step's StepMeta on the device, so an
+// ordinary step is launch → token; the host pushes StepMeta only for a step it did not predict. The kernels are the same in
 // both modes; only how they are launched differs:
 //   Mode::eager  launches the kernels one by one from the host (kernels_per_decode_step launches);
 //   Mode::graph  replays the graph captured by capture_decode_graph() (one cudaGraphLaunch).
@@ -47,13 +49,24 @@ enum class MetaPath {
   /// write staging → replay, with no separate copy call. Eager mode pushes.
   graph_copy,
   /// The kernels read a pinned host struct directly (zero-copy, over the bus): a step is write the
-  /// struct → launch, with no copy at all (the default: the fastest for one step at a time). The
+  /// struct → launch, with no copy at all (the default before MetaPath::device was added). The
   /// struct is rewritten only after the previous step's token arrived (every kernel of a step has
   /// read it by then), so steps cannot overlap: enqueue_decode_step() waits for the previous step.
   mapped,
+  /// The kernels read replay::step_meta's device copy, and the last kernel of every step (and of
+  /// the prefill) writes the next step's metadata there itself: the token it sampled, at position
+  /// seq_len, with the same sampling settings. The host keeps the same prediction; a step whose
+  /// metadata matches it (every step of an ordinary generation) is launch → token, with nothing
+  /// written by the host and nothing read over the bus; any other step (a new prompt, a forced
+  /// token, other sampling settings, a step enqueued before the previous token was read) is pushed
+  /// as with `push`. The default: the fastest for one step at a time.
+  device,
 };
 constexpr std::string_view to_string(MetaPath m) noexcept {
-  return m == MetaPath::push ? "push" : m == MetaPath::graph_copy ? "graph-copy" : "mapped";
+  return m == MetaPath::push         ? "push"
+         : m == MetaPath::graph_copy ? "graph-copy"
+         : m == MetaPath::mapped     ? "mapped"
+                                     : "device";
 }
 
 /// Launch settings (the same for both modes, so eager and graph stay bit-identical).
@@ -62,7 +75,7 @@ struct ModelOptions {
   /// loading its weights before it waits for the previous kernel's output. Off: plain launches.
   bool pdl = true;
   /// How the step metadata reaches the kernels.
-  MetaPath meta = MetaPath::mapped;
+  MetaPath meta = MetaPath::device;
   /// Diagnostics: a decode step launches kernels_per_decode_step kernels that do no model work (each
   /// waits for the previous one and increments a counter; the last hands the input token back as
   /// the "sampled" token). Measures the floor of the step machinery; the text is meaningless.
@@ -120,6 +133,11 @@ class Model {
 
   /// The logits (vocab_size floats) of the last position processed by prefill or decode_step.
   [[nodiscard]] std::vector<float> logits() const;
+
+  /// How many times the host has written or pushed step metadata since construction (prefill and
+  /// decode steps). MetaPath::device skips the steps the device predicted, so an ordinary
+  /// generation costs one (its prefill's); the other paths write once per step.
+  [[nodiscard]] std::size_t meta_writes() const noexcept;
 
   [[nodiscard]] const ModelOptions& options() const noexcept;
   /// The stream every kernel runs on.

@@ -111,6 +111,7 @@ const std::vector<ModelOptions>& all_variants() {
       {.pdl = true, .meta = MetaPath::mapped},     {.pdl = false, .meta = MetaPath::mapped},
       {.pdl = true, .meta = MetaPath::push},       {.pdl = false, .meta = MetaPath::push},
       {.pdl = true, .meta = MetaPath::graph_copy},
+      {.pdl = true, .meta = MetaPath::device},     {.pdl = false, .meta = MetaPath::device},
   };
   return v;
 }
@@ -221,7 +222,7 @@ TEST_CASE("different seeds sample different text; greedy ignores the seed") {
 }
 
 TEST_CASE("the captured step is 10 kernel nodes and one capture serves every position") {
-  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped}) {
+  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped, MetaPath::device}) {
   CAPTURE(to_string(meta));
   const bool in_graph = meta == MetaPath::graph_copy;
   Model model(spicy_weights(4), {.pdl = true, .meta = meta});
@@ -264,7 +265,7 @@ TEST_CASE("steps enqueued without reading their token, then synchronous steps") 
 }
 
 TEST_CASE("null kernels: the step machinery without model work") {
-  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped}) {
+  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped, MetaPath::device}) {
     CAPTURE(to_string(meta));
     Model model(spicy_weights(2), {.pdl = true, .meta = meta, .null_kernels = true});
     const auto prompt = encode("ROMEO:");
@@ -274,6 +275,59 @@ TEST_CASE("null kernels: the step machinery without model work") {
     CHECK(e.tokens == g.tokens);
     // The empty kernels hand the input token back: every token repeats the prefill's.
     for (auto t : g.tokens) CHECK(t == g.tokens[0]);
+  }
+}
+
+TEST_CASE("MetaPath::device: steps the device did not predict are pushed, predicted ones are not") {
+  // The device path writes nothing from the host for a step whose metadata the previous step's
+  // sampler already wrote. Any other step must still see exactly the metadata it was given: forced
+  // tokens, repeated and skipped positions, other sampling settings. Compared with the mapped path
+  // (the host writes every step), token for token and logit for logit.
+  for (bool pdl : {true, false}) {
+    CAPTURE(pdl);
+    Model dev(spicy_weights(8), {.pdl = pdl, .meta = MetaPath::device});
+    Model ref(spicy_weights(8), {.pdl = pdl, .meta = MetaPath::mapped});
+    const auto prompt = encode("KING LEAR:");
+    for (Mode mode : {Mode::eager, Mode::graph}) {
+      CAPTURE(to_string(mode));
+      const Sampling s0{0.9f, 5, false};
+      std::int32_t td = dev.prefill(prompt, s0), tr = ref.prefill(prompt, s0);
+      REQUIRE(td == tr);
+      if (mode == Mode::graph) dev.capture_decode_graph(), ref.capture_decode_graph();
+      int pos = static_cast<int>(prompt.size());
+      int forced = 0;
+      const std::size_t writes_before = dev.meta_writes();
+      for (int i = 0; i < 40; ++i) {
+        CAPTURE(i);
+        Sampling s = s0;
+        std::int32_t in = td;  // the predicted step: the sampled token at the next position
+        int p = pos;
+        if (i % 5 == 1) in = (i * 7 + 3) % Config::vocab_size;  // a forced token
+        if (i % 7 == 2) s = {1.3f, 77, false};                  // other sampling settings
+        if (i % 11 == 3) s.greedy = true;
+        if (i % 13 == 4 && p > 0) p -= 1;                       // rewrite the previous slot
+        const bool predicted = in == td && p == pos && s.temperature == s0.temperature && s.seed == s0.seed &&
+                               s.greedy == s0.greedy;
+        if (i > 0 && !predicted) ++forced;
+        td = dev.decode_step(in, p, s, mode);
+        tr = ref.decode_step(in, p, s, mode);
+        CHECK(td == tr);
+        CHECK(dev.logits() == ref.logits());
+        pos = p + 1;
+        if (pos >= Config::block_size) break;
+      }
+      // Only the steps the device could not predict were written by the host. (Step 0 follows the
+      // prefill with its own settings; a step after a changed one is a change back, so pushed too.)
+      CHECK(dev.meta_writes() - writes_before <= static_cast<std::size_t>(2 * forced + 1));
+      CHECK(dev.meta_writes() - writes_before < 30);
+    }
+    // An ordinary generation: one write (the prefill's), whatever its length.
+    const std::size_t before = dev.meta_writes();
+    const auto g = generate(dev, prompt, 30, Mode::graph, {1.0f, 9, false}, /*fresh_capture=*/false);
+    CHECK(dev.meta_writes() - before == 1);
+    const auto e = generate(dev, prompt, 30, Mode::eager, {1.0f, 9, false});
+    CHECK(dev.meta_writes() - before == 2);
+    CHECK(e.tokens == g.tokens);
   }
 }
 
