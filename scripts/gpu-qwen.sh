@@ -122,6 +122,20 @@ PY
     nopdl)  # the same batch-1 bench with programmatic dependent launch off, for comparison
       run "$q" --preset qwen3-0.6b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 4096
       run "$q" --preset qwen3-4b --bench --no-pdl --random-prompt 16 --gen 128 --bench-batches 1 --kv-mem-mb 8192 ;;
+    splitkv)  # split-KV decode attention off (QWEN_ATTN_SPLITS=1) and on, short and long context, batch 1 and 8
+      for shape in qwen3-0.6b qwen3-4b; do
+        kv=4096; [ $shape = qwen3-4b ] && kv=8192
+        for ctx in 16 2000; do
+          for sp in 1 32; do
+            QWEN_ATTN_SPLITS=$sp run timeout 120 "$q" --preset $shape --bench --random-prompt $ctx --gen 64 \
+              --bench-batches 1,8 --kv-mem-mb $kv --json "$out/splitkv_${shape}_${ctx}_$sp.json"
+          done
+        done
+      done
+      for mc in ${SPLITKV_CHUNKS:-64 256}; do  # the fewest positions per block
+        QWEN_ATTN_MIN_CHUNK=$mc run timeout 120 "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 \
+          --bench-batches 1,8 --kv-mem-mb 4096 --json "$out/splitkv_qwen3-0.6b_2000_c$mc.json"
+      done ;;
     longctx)  # attention cost grows with the context: batch-1 TPOT after a 2000-token prompt
       for k in rowpipe legacy step; do
         run timeout 120 "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 --bench-batches 1 --kv-mem-mb 4096 \

@@ -459,13 +459,17 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
 
 constexpr int kAttnWarps = 8;
 
-/// One block per (kv head, row): the G query heads sharing that kv head. 8 lanes per token (DPL dims
-/// each), 4 tokens per warp and 32 per block in flight; online softmax per lane group, then a
-/// combine across groups (shuffles) and warps (shared memory).
+/// One block per (kv head, row, split): the G query heads sharing that kv head. 8 lanes per token
+/// (DPL dims each), 4 tokens per warp and 32 per block in flight; online softmax per lane group,
+/// then a combine across groups (shuffles) and warps (shared memory).
+/// Split-KV (AttnSplit, decode): a long context is cut into chunks of at least sp.min_chunk
+/// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
+/// block writes the output itself; otherwise each block stores its partial softmax state and the
+/// last block to finish (a counter per (row, kv head)) combines the chunks and writes the output.
 template <int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
-                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, bf16* out) {
+                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out) {
   constexpr int E = D / 64;
   constexpr int DPL = D / 8;  // dims per lane
   constexpr int NV = DPL / 8; // uint4 loads per lane per token
@@ -474,7 +478,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   __shared__ float red_acc[kAttnWarps][G][D];
 
   pdl_trigger();
-  const int kvh = blockIdx.x, r = blockIdx.y;
+  const int kvh = blockIdx.x, r = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane & 7, grp = lane >> 3;
   const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
@@ -491,13 +495,23 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const bool pre = write_kv != 0;
   const int pos = meta.pos[r];
   const int seq_len = pos + 1;
+  // This block's positions [begin, end): chunk `split` of the context.
+  int chunk = seq_len, chunks = 1;
+  if (sp.splits > 1) {
+    const int even = (seq_len + sp.splits - 1) / sp.splits;
+    chunk = max(sp.min_chunk, (even + 63) / 64 * 64);
+    chunks = (seq_len + chunk - 1) / chunk;
+  }
+  if (split >= chunks) return;  // a short context needs fewer blocks than the grid has
+  const int begin = split * chunk, end = min(seq_len, begin + chunk);
+  const bool owns_pos = end == seq_len;  // the last chunk holds position pos
   const std::int32_t* table = meta.block_table + std::size_t(meta.slot[r]) * meta.table_width;
   const int blk_pos = table[pos / kv.block_size];
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
   for (int u = 0; u < T; ++u) {
-    const int t = warp * 4 + u * kAttnWarps * 4 + grp;
-    if (pre && t < pos) {
+    const int t = begin + warp * 4 + u * kAttnWarps * 4 + grp;
+    if (pre && t < pos && t < end) {
       const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -511,7 +525,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
   const float scale = rsqrtf(static_cast<float>(D));
 
-  for (int item = warp; item < G + (write_kv ? 1 : 0); item += kAttnWarps) {
+  for (int item = warp; item < G + (write_kv && owns_pos ? 1 : 0); item += kAttnWarps) {
     if (item < G) {
       float lo[E], hi[E];
       norm_rope_head<D>(row + (kvh * G + item) * D, q_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
@@ -539,15 +553,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
   }
 
-  for (int base = warp * 4; base < seq_len; base += kAttnWarps * 4 * T) {
+  for (int base = begin + warp * 4; base < end; base += kAttnWarps * 4 * T) {
     bool valid[T];
 #pragma unroll
     for (int u = 0; u < T; ++u) {
       const int t = base + u * kAttnWarps * 4 + grp;
-      valid[u] = t < seq_len;
+      valid[u] = t < end;
       // The first iteration's earlier positions are in registers already; position pos was written
       // above (visible after the barrier).
-      if (valid[u] && (base != warp * 4 || !pre || t == pos)) {
+      if (valid[u] && (base != begin + warp * 4 || !pre || t == pos)) {
         const std::size_t o = kv_offset(t == pos ? blk_pos : table[t / kv.block_size], t);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
@@ -614,6 +628,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
   }
   __syncthreads();
+  // Split-KV: this chunk's state (max, sum, unnormalised output per query head) goes to
+  // sp.partial[row][kv head][split] = {m[G], l[G], acc[G][D]}.
+  constexpr int P = G * (D + 2);
+  float* part = chunks > 1 ? sp.partial + (std::size_t(r) * kv.kv_heads + kvh) * sp.splits * P : nullptr;
   for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
     const int h = idx / D, d = idx % D;
     float mx = -INFINITY;
@@ -626,7 +644,39 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       L += red_l[w][h] * f;
       A += red_acc[w][h][d] * f;
     }
-    out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
+    if (part == nullptr) {
+      out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
+    } else {
+      float* mine = part + std::size_t(split) * P;
+      mine[2 * G + idx] = A;
+      if (d == 0) mine[h] = mx, mine[G + h] = L;
+    }
+  }
+  if (part == nullptr) return;
+  // The last chunk to arrive combines them all (release: fence, then count; acquire: count, fence).
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned* arrived = sp.arrived + std::size_t(r) * kv.kv_heads + kvh;
+    last = atomicAdd(arrived, 1u) == unsigned(chunks - 1);
+    if (last) *arrived = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
+    const int h = idx / D;
+    float mx = -INFINITY;
+    for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, __ldcg(part + std::size_t(c) * P + h));
+    float L = 0.f, A = 0.f;
+    for (int c = 0; c < chunks; ++c) {
+      const float* other = part + std::size_t(c) * P;
+      const float f = __expf(__ldcg(other + h) - mx);
+      L += __ldcg(other + G + h) * f;
+      A += __ldcg(other + 2 * G + idx) * f;
+    }
+    out[std::size_t(r) * q_dim + (kvh * G + h) * D + idx % D] = __float2bfloat16(A / L);
   }
 }
 
@@ -742,16 +792,20 @@ void init_gemv_attrs() {
 
 template <int D>
 void attention_d(const float* qkv, int q_heads, int kv_heads, const bf16* q_norm, const bf16* k_norm, float eps,
-                 const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, bf16* out,
-                 cudaStream_t s) {
+                 const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
+                 bf16* out, cudaStream_t s) {
   const int G = q_heads / kv_heads, q_dim = q_heads * D, kv_dim = kv_heads * D;
-  const dim3 grid(kv_heads, rows);
+  const dim3 grid(kv_heads, rows, sp.splits);
   const int wk = write_kv ? 1 : 0;
+  const auto go = [&](auto kernel) {
+    launch(kernel, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps,
+           rope, meta, kv, layer, wk, sp, out);
+  };
   switch (G) {
-    case 1: launch(attention_kernel<D, 1>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
-    case 2: launch(attention_kernel<D, 2>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
-    case 4: launch(attention_kernel<D, 4>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
-    case 8: launch(attention_kernel<D, 8>, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, wk, out); break;
+    case 1: go(attention_kernel<D, 1>); break;
+    case 2: go(attention_kernel<D, 2>); break;
+    case 4: go(attention_kernel<D, 4>); break;
+    case 8: go(attention_kernel<D, 8>); break;
     default: throw replay::usage_error("qwen::launch_attention: query heads per kv head must be 1, 2, 4 or 8");
   }
 }
@@ -855,13 +909,39 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
     throw replay::usage_error("qwen::launch_kv_write: head_dim must be 64 or 128");
 }
 
+int attention_splits(int rows, int kv_heads, int num_sms) {
+  static const int cap = [] {
+    const char* v = std::getenv("QWEN_ATTN_SPLITS");  // diagnostics: 1 turns split-KV off
+    const int n = v != nullptr ? std::atoi(v) : kMaxAttnSplits;
+    return n < 1 ? 1 : n > kMaxAttnSplits ? kMaxAttnSplits : n;
+  }();
+  const int blocks = rows * kv_heads;
+  const int want = (2 * num_sms + blocks - 1) / blocks;  // about two blocks per SM at full length
+  return want < 1 ? 1 : want > cap ? cap : want;
+}
+
+int attention_min_chunk() {
+  static const int chunk = [] {
+    const char* v = std::getenv("QWEN_ATTN_MIN_CHUNK");  // diagnostics
+    const int n = v != nullptr ? std::atoi(v) : kAttnMinChunk;
+    return n < 64 ? 64 : (n + 63) / 64 * 64;
+  }();
+  return chunk;
+}
+
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
-                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, bf16* out,
-                      replay::stream_ref s) {
+                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
+                      bf16* out, replay::stream_ref s) {
+  if (sp.splits < 1 || sp.splits > kMaxAttnSplits || (sp.splits > 1 && (sp.partial == nullptr || sp.arrived == nullptr)))
+    throw replay::usage_error("qwen::launch_attention: split-KV needs 1..kMaxAttnSplits splits and its scratch");
+  if (sp.min_chunk < 64 || sp.min_chunk % 64 != 0)
+    throw replay::usage_error("qwen::launch_attention: min_chunk must be a positive multiple of 64");
   if (kv.head_dim == 128)
-    attention_d<128>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, out, s.get());
+    attention_d<128>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, sp, out,
+                     s.get());
   else if (kv.head_dim == 64)
-    attention_d<64>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, out, s.get());
+    attention_d<64>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, sp, out,
+                    s.get());
   else
     throw replay::usage_error("qwen::launch_attention: head_dim must be 64 or 128");
 }

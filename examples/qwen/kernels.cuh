@@ -38,6 +38,22 @@ struct KvPool {
   [[nodiscard]] __host__ __device__ std::size_t kv_stride() const { return std::size_t(num_blocks) * kv_heads * block_size * head_dim; }
 };
 
+/// Split-KV (flash-decoding) for decode attention. A row's context is cut into chunks of at least
+/// `min_chunk` positions (a multiple of 64), one block per chunk, up to `splits` per (row, kv head):
+/// each block keeps its chunk's softmax state (max, sum, unnormalised output) in `partial`, and the
+/// last block to finish (counted in `arrived`) combines them. The grid (`splits`) is fixed at launch,
+/// so a captured graph serves every length; a context of at most `min_chunk` positions runs in one
+/// block, as without splits. `splits` = 1 needs no scratch.
+struct AttnSplit {
+  int splits = 1;                 ///< blocks per (row, kv head): grid z
+  int min_chunk = 128;            ///< fewest positions per block
+  float* partial = nullptr;       ///< [rows][kv_heads][splits][G * (head_dim + 2)] fp32
+  unsigned* arrived = nullptr;    ///< [rows][kv_heads], zero before the first launch (kept zero after each)
+};
+/// Most blocks per (row, kv head); default min_chunk.
+inline constexpr int kMaxAttnSplits = 32;
+inline constexpr int kAttnMinChunk = 128;
+
 /// What the fused GEMV does with y = W·x (per batch row b, output row n).
 enum class gemv_out {
   store_f32,  ///< y_f32[b][n] = acc
@@ -104,10 +120,16 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
 
 /// Attention for `rows` rows: per-head RMSNorm + RoPE of Q, and (write_kv) of the row's new K/V
 /// written to the pool first; then softmax(q·K^T / sqrt(d)) V over positions 0..pos[r] of the row's
-/// sequence through its block table. out is [rows][q_heads * head_dim] bf16.
+/// sequence through its block table, split over sp.splits blocks per (row, kv head) when the context
+/// is long (AttnSplit). out is [rows][q_heads * head_dim] bf16.
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
-                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, bf16* out,
-                      replay::stream_ref s);
+                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
+                      bf16* out, replay::stream_ref s);
+/// The split count for a bucket of `rows` rows: enough blocks for about two per SM at full length,
+/// at most kMaxAttnSplits (QWEN_ATTN_SPLITS lowers the cap; 1 turns split-KV off).
+int attention_splits(int rows, int kv_heads, int num_sms);
+/// kAttnMinChunk, or QWEN_ATTN_MIN_CHUNK rounded up to a multiple of 64 (diagnostics).
+int attention_min_chunk();
 
 /// Read-bandwidth probe (the floor of a kernel that only streams `bytes` from p): 16-byte loads,
 /// 8 blocks of 256 threads per SM, 4 loads in flight per thread.

@@ -79,6 +79,9 @@ struct Engine::Impl {
   replay::device_buffer<bf16> act;        // [rows][I]
   replay::device_buffer<float> logits;    // [max_batch][V]
   replay::device_buffer<unsigned long long> keys;        // [rows] packed argmax
+  replay::device_buffer<float> attn_partial;  // split-KV attention: partial softmax states (AttnSplit)
+  replay::device_buffer<unsigned> attn_arrived;  // split-KV attention: chunks done per (row, kv head)
+  int attn_min_chunk = kAttnMinChunk;
   replay::pinned_buffer<unsigned long long> keys_host;  // [rows]
 
   /// The streaming kernel's program of one bucket (1, 2 or 4 rows): phases, counters, launches.
@@ -152,6 +155,15 @@ struct Engine::Impl {
     logits = replay::device_buffer<float>(std::size_t(opt.max_batch) * V);
     keys = replay::device_buffer<unsigned long long>(R);
     keys_host = replay::pinned_buffer<unsigned long long>(R);
+    // Split-KV scratch for the largest rows × splits any decode launch uses.
+    std::size_t split_rows = 0;
+    for (int r = 1; r <= max_rows; ++r)
+      split_rows = std::max(split_rows, std::size_t(r) * attention_splits(r, cfg.num_key_value_heads, num_sms));
+    attn_partial = replay::device_buffer<float>(split_rows * cfg.num_key_value_heads * cfg.group_size() *
+                                                (cfg.head_dim + 2));
+    attn_arrived = replay::device_buffer<unsigned>(R * cfg.num_key_value_heads);
+    REPLAY_CHECK(cudaMemsetAsync(attn_arrived.data(), 0, attn_arrived.size_bytes(), stream.get()));
+    attn_min_chunk = attention_min_chunk();
 
     const int top = std::min(opt.max_bucket, opt.max_batch);
     replay::runner_options ro;
@@ -405,6 +417,13 @@ struct Engine::Impl {
                              K, &beta, Y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
+  /// Decode attention's split-KV setting for a bucket of `rows` rows (prefill: none).
+  [[nodiscard]] AttnSplit attn_split(int rows, bool decode) const {
+    if (!decode) return {};
+    return {attention_splits(rows, cfg.num_key_value_heads, num_sms), attn_min_chunk, attn_partial.data(),
+            attn_arrived.data()};
+  }
+
   /// The decoder layers on `rows` rows through the GEMM path. decode: K/V written inside attention
   /// (one row per sequence); prefill: written for all rows first (rows of one sequence read each other).
   void layers_gemm(int rows, bool decode, replay::stream_ref s) {
@@ -416,7 +435,7 @@ struct Engine::Impl {
       gemm(w.wqkv, QKV, H, xn.data(), rows, qkv.data(), QKV, 0.f, s);
       if (!decode) launch_kv_write(qkv.data(), cfg.num_attention_heads, w.k_norm, eps, rope.data(), meta, rows, kv, l, s);
       launch_attention(qkv.data(), cfg.num_attention_heads, w.q_norm, w.k_norm, eps, rope.data(), meta, rows, kv, l,
-                       decode, attn.data(), s);
+                       decode, attn_split(rows, decode), attn.data(), s);
       gemm(w.wo, H, Q, attn.data(), rows, residual.data(), H, 1.f, s);
       launch_rmsnorm(residual.data(), w.post_norm, H, eps, rows, xn.data(), s);
       gemm(w.wgu, 2 * I, H, xn.data(), rows, gu.data(), 2 * I, 0.f, s);
@@ -444,7 +463,7 @@ struct Engine::Impl {
         launch_gemv(w.wqkv, QKV, H, rows, GemvIn{nullptr, residual.data(), w.in_norm, eps}, gemv_out::store_f32,
                     qkv.data(), nullptr, QKV, nullptr, num_sms, s);
         launch_attention(qkv.data(), cfg.num_attention_heads, w.q_norm, w.k_norm, eps, rope.data(), meta, rows, kv, l,
-                         true, attn.data(), s);
+                         true, attn_split(rows, true), attn.data(), s);
         launch_gemv(w.wo, H, Q, rows, GemvIn{attn.data(), nullptr, nullptr, eps}, gemv_out::add_f32, residual.data(),
                     nullptr, H, nullptr, num_sms, s);
         launch_gemv(w.wgu, I, H, rows, GemvIn{nullptr, residual.data(), w.post_norm, eps}, gemv_out::silu_mul, nullptr,
@@ -547,7 +566,8 @@ std::size_t Engine::buffer_bytes() const {
   const auto& m = *impl_;
   return m.residual.size_bytes() + m.xn.size_bytes() + m.qkv.size_bytes() + m.attn.size_bytes() + m.gu.size_bytes() +
          m.act.size_bytes() + m.logits.size_bytes() + m.keys.size_bytes() + m.rope.size_bytes() +
-         m.block_table.size_bytes() + m.cublas_ws.size_bytes() + 3 * sizeof(std::int32_t) * m.max_rows;
+         m.block_table.size_bytes() + m.cublas_ws.size_bytes() + 3 * sizeof(std::int32_t) * m.max_rows +
+         m.attn_partial.size_bytes() + m.attn_arrived.size_bytes();
 }
 
 int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<float> logits) {
