@@ -909,14 +909,41 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
     throw replay::usage_error("qwen::launch_kv_write: head_dim must be 64 or 128");
 }
 
-int attention_splits(int rows, int kv_heads, int num_sms) {
+namespace {
+/// Resident blocks per SM of the attention kernel for (head_dim, G), computed once per instance.
+template <int D, int G>
+int attention_per_sm() {
+  static const int n = [] {
+    int b = 0;
+    REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_kernel<D, G>, kAttnWarps * 32, 0));
+    return b < 1 ? 1 : b;
+  }();
+  return n;
+}
+template <int D>
+int attention_per_sm_d(int G) {
+  switch (G) {
+    case 1: return attention_per_sm<D, 1>();
+    case 2: return attention_per_sm<D, 2>();
+    case 4: return attention_per_sm<D, 4>();
+    case 8: return attention_per_sm<D, 8>();
+    default: throw replay::usage_error("qwen::attention_splits: query heads per kv head must be 1, 2, 4 or 8");
+  }
+}
+}  // namespace
+
+int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_sms) {
   static const int cap = [] {
     const char* v = std::getenv("QWEN_ATTN_SPLITS");  // diagnostics: 1 turns split-KV off
     const int n = v != nullptr ? std::atoi(v) : kMaxAttnSplits;
     return n < 1 ? 1 : n > kMaxAttnSplits ? kMaxAttnSplits : n;
   }();
-  const int blocks = rows * kv_heads;
-  const int want = (2 * num_sms + blocks - 1) / blocks;  // about two blocks per SM at full length
+  const int G = q_heads / kv_heads;
+  const int per_sm = head_dim == 128 ? attention_per_sm_d<128>(G)
+                     : head_dim == 64 ? attention_per_sm_d<64>(G)
+                                      : throw replay::usage_error("qwen::attention_splits: head_dim must be 64 or 128");
+  // As many blocks as fit on the GPU at once (one wave) when every row's context is long.
+  const int want = per_sm * num_sms / (rows * kv_heads);
   return want < 1 ? 1 : want > cap ? cap : want;
 }
 

@@ -158,7 +158,9 @@ struct Engine::Impl {
     // Split-KV scratch for the largest rows × splits any decode launch uses.
     std::size_t split_rows = 0;
     for (int r = 1; r <= max_rows; ++r)
-      split_rows = std::max(split_rows, std::size_t(r) * attention_splits(r, cfg.num_key_value_heads, num_sms));
+      split_rows = std::max(split_rows, std::size_t(r) * attention_splits(r, cfg.num_attention_heads,
+                                                                          cfg.num_key_value_heads, cfg.head_dim,
+                                                                          num_sms));
     attn_partial = replay::device_buffer<float>(split_rows * cfg.num_key_value_heads * cfg.group_size() *
                                                 (cfg.head_dim + 2));
     attn_arrived = replay::device_buffer<unsigned>(R * cfg.num_key_value_heads);
@@ -420,7 +422,8 @@ struct Engine::Impl {
   /// Decode attention's split-KV setting for a bucket of `rows` rows (prefill: none).
   [[nodiscard]] AttnSplit attn_split(int rows, bool decode) const {
     if (!decode) return {};
-    return {attention_splits(rows, cfg.num_key_value_heads, num_sms), attn_min_chunk, attn_partial.data(),
+    return {attention_splits(rows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, num_sms),
+            attn_min_chunk, attn_partial.data(),
             attn_arrived.data()};
   }
 

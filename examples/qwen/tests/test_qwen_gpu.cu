@@ -273,7 +273,7 @@ void split_kv_check(const Config& cfg) {
     CHECK(out[0] == out[1]);  // eager == graph, bit for bit
     for (std::size_t i = 0; i < lens.size(); ++i) {
       const double r = rel(std::span<const float>(out[1]).subspan(i * V, V), std::span<const float>(ref).subspan(i * V, V));
-      MESSAGE(cfg.name << (together ? " together" : " alone") << ", context " << lens[i] << ": decode vs prefill relative L2 " << r);
+      MESSAGE(cfg.name << std::string(together ? " together" : " alone") << ", context " << lens[i] << ": decode vs prefill relative L2 " << r);
       CHECK(r < 1e-2);
     }
   }
