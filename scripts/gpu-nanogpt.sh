@@ -71,7 +71,7 @@ tail -3 "$L/default_run.log" >> "$S"
 # The bench with the default settings, then one launch setting changed at a time.
 stage bench 120 "$NG" --bench
 stage bench_json 120 "$NG" --bench --json
-BENCHES=${BENCHES:-"push:--meta=push graph_copy:--meta=graph-copy nopdl:--no-pdl null:--null-kernels null_push:--null-kernels,--meta=push again:"}
+BENCHES=${BENCHES:-"mapped:--meta=mapped push:--meta=push graph_copy:--meta=graph-copy nopdl:--no-pdl null:--null-kernels null_mapped:--null-kernels,--meta=mapped null_push:--null-kernels,--meta=push again:"}
 for b in $BENCHES; do
   name=${b%%:*}
   args=${b#*:}
@@ -90,6 +90,7 @@ stage memcheck_tests 200 compute-sanitizer --tool memcheck --leak-check full --e
 grep -E "ERROR SUMMARY|test cases" "$L/memcheck_tests.log" >> "$S"
 stage memcheck_cli 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30
 stage memcheck_cli_push 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30 --meta push
-grep -E "ERROR SUMMARY" "$L/memcheck_cli.log" "$L/memcheck_cli_push.log" >> "$S"
+stage memcheck_cli_mapped 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30 --meta mapped
+grep -E "ERROR SUMMARY" "$L/memcheck_cli.log" "$L/memcheck_cli_push.log" "$L/memcheck_cli_mapped.log" >> "$S"
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"
 cat "$S"
