@@ -942,7 +942,10 @@ int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_
   const int per_sm = head_dim == 128 ? attention_per_sm_d<128>(G)
                      : head_dim == 64 ? attention_per_sm_d<64>(G)
                                       : throw replay::usage_error("qwen::attention_splits: head_dim must be 64 or 128");
-  // As many blocks as fit on the GPU at once (one wave) when every row's context is long.
+  // Only a grid that leaves SMs idle is split (a bigger one is already spread over the GPU, and its
+  // extra blocks would cost launch slots at every length); then into as many blocks as fit on the
+  // GPU at once (one wave) when every row's context is long.
+  if (rows * kv_heads >= num_sms) return 1;
   const int want = per_sm * num_sms / (rows * kv_heads);
   return want < 1 ? 1 : want > cap ? cap : want;
 }

@@ -125,9 +125,9 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
                       const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
                       bf16* out, replay::stream_ref s);
-/// The split count for a bucket of `rows` rows: as many blocks as fit on the GPU at once (one wave)
-/// when every context is long, at least 1, at most kMaxAttnSplits (QWEN_ATTN_SPLITS lowers the cap;
-/// 1 turns split-KV off).
+/// The split count for a bucket of `rows` rows: 1 when rows × kv_heads blocks already cover the
+/// SMs; otherwise as many blocks as fit on the GPU at once (one wave) when every context is long,
+/// at most kMaxAttnSplits (QWEN_ATTN_SPLITS lowers the cap; 1 turns split-KV off).
 int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_sms);
 /// kAttnMinChunk, or QWEN_ATTN_MIN_CHUNK rounded up to a multiple of 64 (diagnostics).
 int attention_min_chunk();
