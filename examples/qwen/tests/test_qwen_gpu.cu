@@ -175,13 +175,18 @@ void cross_check(const Config& cfg) {
 
 TEST_CASE("the streaming kernels compute what the per-matrix kernels compute") { cross_check(preset("tiny")); }
 
-TEST_CASE("... also with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention)") {
+/// A small shape with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention).
+Config tiny_hd128_g4() {
   Config c = preset("tiny");
   c.name = "tiny_hd128_g4";
   c.vocab_size = 4096, c.hidden_size = 512, c.intermediate_size = 1024, c.num_hidden_layers = 3;
   c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 128;
   c.validate();
-  cross_check(c);
+  return c;
+}
+
+TEST_CASE("... also with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention)") {
+  cross_check(tiny_hd128_g4());
 }
 
 TEST_CASE("padding rows and other sequences do not disturb a sequence (paged KV isolation)") {
@@ -282,12 +287,7 @@ void split_kv_check(const Config& cfg) {
 
 TEST_CASE("split-KV decode attention at long context agrees with prefill") {
   split_kv_check(preset("tiny"));
-  Config c = preset("tiny");
-  c.name = "tiny_hd128_g4";
-  c.vocab_size = 4096, c.hidden_size = 512, c.intermediate_size = 1024, c.num_hidden_layers = 3;
-  c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 128;
-  c.validate();
-  split_kv_check(c);
+  split_kv_check(tiny_hd128_g4());
 }
 
 TEST_CASE("bad decode input is rejected before any launch") {
