@@ -750,25 +750,22 @@ struct Model::Impl {
     step_in_flight = false;
   }
 
-  /// Makes `v` the metadata the next kernels read: staged and pushed (push, and eager graph_copy),
-  /// staged for the graph's own copy (graph_copy, graph mode), or written in place (mapped).
+  /// Makes `v` the metadata the next kernels read: staged and pushed (push, eager graph_copy, and
+  /// device unless the device already holds it), staged for the graph's own copy (graph_copy, graph
+  /// mode), or written in place (mapped).
   void set_meta(const StepMeta& v, bool graph_copies_it) {
+    if (options.meta == MetaPath::device) {
+      // Pushed (below) unless the device already holds it: the previous step's sampler wrote it
+      // and its token was read, so the write is complete. A push is stream-ordered after that step.
+      const bool held = predicted_valid && std::memcmp(&predicted, &v, sizeof v) == 0;
+      predicted_valid = false;
+      issued = v;
+      if (held) return;
+    }
     ++meta_writes;
     if (options.meta == MetaPath::mapped) {
       settle();  // the previous step's kernels may still read it
       mapped_meta[0] = v;
-    } else if (options.meta == MetaPath::device) {
-      // Pushed unless the device already holds it (the previous step's sampler wrote it and its
-      // token was read, so the write is complete). A push is stream-ordered after that step.
-      const bool held = predicted_valid && std::memcmp(&predicted, &v, sizeof v) == 0;
-      predicted_valid = false;
-      issued = v;
-      if (held) {
-        --meta_writes;
-      } else {
-        meta.staging() = v;
-        meta.push(replay::stream_ref(stream.get()));
-      }
     } else if (graph_copies_it) {
       meta.graph_staging() = v;
     } else {

@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
-#include <cstdlib>
 #include <map>
 #include <utility>
 
@@ -790,24 +789,22 @@ void init_gemv_attrs() {
   init_gemv_attrs_u<B, 8>();
 }
 
-template <int D>
-void attention_d(const float* qkv, int q_heads, int kv_heads, const bf16* q_norm, const bf16* k_norm, float eps,
-                 const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
-                 bf16* out, cudaStream_t s) {
-  const int G = q_heads / kv_heads, q_dim = q_heads * D, kv_dim = kv_heads * D;
-  const dim3 grid(kv_heads, rows, sp.splits);
-  const int wk = write_kv ? 1 : 0;
-  const auto go = [&](auto kernel) {
-    launch(kernel, grid, kAttnWarps * 32, 0, s, "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm, eps,
-           rope, meta, kv, layer, wk, sp, out);
-  };
+/// Calls f(attention_kernel<head_dim, G>): the one place that maps the runtime shape to an instance.
+template <int D, class F>
+auto with_attention_kernel_d(int G, F&& f) {
   switch (G) {
-    case 1: go(attention_kernel<D, 1>); break;
-    case 2: go(attention_kernel<D, 2>); break;
-    case 4: go(attention_kernel<D, 4>); break;
-    case 8: go(attention_kernel<D, 8>); break;
-    default: throw replay::usage_error("qwen::launch_attention: query heads per kv head must be 1, 2, 4 or 8");
+    case 1: return f(attention_kernel<D, 1>);
+    case 2: return f(attention_kernel<D, 2>);
+    case 4: return f(attention_kernel<D, 4>);
+    case 8: return f(attention_kernel<D, 8>);
+    default: throw replay::usage_error("qwen attention: query heads per kv head must be 1, 2, 4 or 8");
   }
+}
+template <class F>
+auto with_attention_kernel(int head_dim, int G, F&& f) {
+  if (head_dim == 128) return with_attention_kernel_d<128>(G, f);
+  if (head_dim == 64) return with_attention_kernel_d<64>(G, f);
+  throw replay::usage_error("qwen attention: head_dim must be 64 or 128");
 }
 
 }  // namespace
@@ -909,28 +906,6 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
     throw replay::usage_error("qwen::launch_kv_write: head_dim must be 64 or 128");
 }
 
-namespace {
-/// Resident blocks per SM of the attention kernel for (head_dim, G), computed once per instance.
-template <int D, int G>
-int attention_per_sm() {
-  static const int n = [] {
-    int b = 0;
-    REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_kernel<D, G>, kAttnWarps * 32, 0));
-    return b < 1 ? 1 : b;
-  }();
-  return n;
-}
-template <int D>
-int attention_per_sm_d(int G) {
-  switch (G) {
-    case 1: return attention_per_sm<D, 1>();
-    case 2: return attention_per_sm<D, 2>();
-    case 4: return attention_per_sm<D, 4>();
-    case 8: return attention_per_sm<D, 8>();
-    default: throw replay::usage_error("qwen::attention_splits: query heads per kv head must be 1, 2, 4 or 8");
-  }
-}
-}  // namespace
 
 int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_sms) {
   static const int cap = [] {
@@ -938,10 +913,17 @@ int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_
     const int n = v != nullptr ? std::atoi(v) : kMaxAttnSplits;
     return n < 1 ? 1 : n > kMaxAttnSplits ? kMaxAttnSplits : n;
   }();
-  const int G = q_heads / kv_heads;
-  const int per_sm = head_dim == 128 ? attention_per_sm_d<128>(G)
-                     : head_dim == 64 ? attention_per_sm_d<64>(G)
-                                      : throw replay::usage_error("qwen::attention_splits: head_dim must be 64 or 128");
+  // Resident blocks per SM of the kernel instance, computed once per instance.
+  static std::map<const void*, int> resident;
+  const int per_sm = with_attention_kernel(head_dim, q_heads / kv_heads, [](auto kernel) {
+    auto it = resident.find(reinterpret_cast<const void*>(kernel));
+    if (it == resident.end()) {
+      int b = 0;
+      REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kAttnWarps * 32, 0));
+      it = resident.emplace(reinterpret_cast<const void*>(kernel), b < 1 ? 1 : b).first;
+    }
+    return it->second;
+  });
   // Only a grid that leaves SMs idle is split (a bigger one is already spread over the GPU, and its
   // extra blocks would cost launch slots at every length); then into as many blocks as fit on the
   // GPU at once (one wave) when every row's context is long.
@@ -966,14 +948,13 @@ void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const b
     throw replay::usage_error("qwen::launch_attention: split-KV needs 1..kMaxAttnSplits splits and its scratch");
   if (sp.min_chunk < 64 || sp.min_chunk % 64 != 0)
     throw replay::usage_error("qwen::launch_attention: min_chunk must be a positive multiple of 64");
-  if (kv.head_dim == 128)
-    attention_d<128>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, sp, out,
-                     s.get());
-  else if (kv.head_dim == 64)
-    attention_d<64>(qkv, q_heads, kv.kv_heads, q_norm, k_norm, eps, rope, meta, rows, kv, layer, write_kv, sp, out,
-                    s.get());
-  else
-    throw replay::usage_error("qwen::launch_attention: head_dim must be 64 or 128");
+  const int D = kv.head_dim, q_dim = q_heads * D, kv_dim = kv.kv_heads * D;
+  const dim3 grid(kv.kv_heads, rows, sp.splits);
+  const int wk = write_kv ? 1 : 0;
+  with_attention_kernel(D, q_heads / kv.kv_heads, [&](auto kernel) {
+    launch(kernel, grid, kAttnWarps * 32, 0, s.get(), "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm,
+           eps, rope, meta, kv, layer, wk, sp, out);
+  });
 }
 
 }  // namespace qwen
