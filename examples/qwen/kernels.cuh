@@ -136,6 +136,13 @@ int attention_min_chunk();
 /// 8 blocks of 256 threads per SM, 4 loads in flight per thread.
 void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s);
 
+/// One link of the kernel-per-matrix floor: a streaming read of `bytes` from p (like the read probe)
+/// that issues its first loads, then waits for the previous kernel (griddepcontrol.wait, launched
+/// with PDL when enabled) as the decode GEMVs do. A chain of links with a decode step's matrix sizes,
+/// captured as a graph, times what one kernel per matrix costs with no arithmetic at all; bytes = 0
+/// launches one block that only waits (the stand-in for a kernel that reads no weights).
+void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s);
+
 /// Decodes a packed argmax key into the token id.
 inline int key_to_token(unsigned long long key) { return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu)); }
 

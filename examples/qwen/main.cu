@@ -12,6 +12,7 @@
 #include <common/rng.hpp>
 #include <common/safetensors.hpp>
 #include <common/timing.hpp>
+#include <replay/capture.hpp>
 #include <replay/error.hpp>
 #include <replay/event.hpp>
 
@@ -175,6 +176,46 @@ double read_bandwidth(replay::stream_ref s) {
     if (i >= 2) t.push_back(et.elapsed_ms());
   }
   return bytes / (replay_examples::median(t) * 1e-3);
+}
+
+/// The kernel-per-matrix floor of a batch-1 decode step, in ms of GPU time: one streaming-read kernel
+/// (launch_read_link) per matrix, in the step's order and sizes (per layer QKV, a weightless link
+/// where attention runs, O, gate/up, down; then lm_head), captured once as a graph and replayed;
+/// median of 20 replays. What the step would cost if every kernel only streamed its weights, with
+/// the same launches and PDL handoffs. 0 when the device has no room for a copy of the weights.
+double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
+  const std::size_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), QKV = c.qkv_dim(), V = c.vocab_size;
+  std::vector<std::size_t> sizes;
+  for (int l = 0; l < c.num_hidden_layers; ++l)
+    for (std::size_t b : {QKV * H, std::size_t(0), H * Q, 2 * I * H, H * I}) sizes.push_back(b * sizeof(qwen::bf16));
+  sizes.push_back(V * H * sizeof(qwen::bf16));
+  std::size_t total = 0;
+  for (std::size_t b : sizes) total += b;
+  std::size_t free_bytes = 0, device_bytes = 0;
+  REPLAY_CHECK(cudaMemGetInfo(&free_bytes, &device_bytes));
+  if (total + (512ull << 20) > free_bytes) return 0.0;
+  replay::device_buffer<std::byte> w(total);
+  replay::device_buffer<unsigned> sink(1);
+  REPLAY_CHECK(cudaMemsetAsync(w.data(), 1, total, s.get()));
+  int dev = 0, sms = 0;
+  REPLAY_CHECK(cudaGetDevice(&dev));
+  REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const auto exec = replay::capture(s, [&](replay::stream_ref cs) {
+                      std::size_t off = 0;
+                      for (std::size_t b : sizes) {
+                        qwen::launch_read_link(w.data() + off, b, sink.data(), sms, cs);
+                        off += b;
+                      }
+                    }).instantiate({.upload_stream = s.get()});
+  std::vector<double> t;
+  for (int i = 0; i < 22; ++i) {
+    replay::event_timer et;
+    et.start(s);
+    exec.launch(s);
+    et.stop(s);
+    if (i >= 2) t.push_back(et.elapsed_ms());
+  }
+  return replay_examples::median(t);
 }
 
 std::string device_name() {
@@ -423,6 +464,13 @@ int main(int argc, char** argv) {
                  mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
       fmt::print("read-only streaming kernel: {:.0f} GB/s ({:.1f}% of D2D); at that rate the weights take {:.3f} ms\n",
                  rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
+      const double chain_ms = chain_floor_ms(cfg, eng.stream());
+      if (chain_ms > 0)
+        fmt::print("kernel-per-matrix floor (a graph of {} streaming-read kernels with this step's matrix sizes, PDL {}): "
+                   "{:.3f} ms\n",
+                   5 * cfg.num_hidden_layers + 1, pdl_enabled() ? "on" : "off", chain_ms);
+      else
+        fmt::print("kernel-per-matrix floor: skipped (no device memory for a copy of the weights)\n");
       replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "eff. GB/s", "% of D2D"});
       for (const auto& m : modes) {
         std::vector<SequenceRequest> one{{prompt, steps + 1}};
@@ -439,6 +487,7 @@ int main(int argc, char** argv) {
       }
       out["bench"]["d2d_GBps"] = bw / 1e9;
       out["bench"]["read_GBps"] = rbw / 1e9;
+      if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;
       if (const std::string tr = eng.stream_trace_summary(1); !tr.empty()) {
         fmt::print("{}\n", tr);
         out["bench"]["stream_trace"] = tr;
