@@ -271,12 +271,16 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const bf16* __restri
 // The per-row GEMV above issues a warp's U loads, waits for them, computes, and only then issues the
 // next U: while a warp computes it has nothing in flight, so the bytes in flight per SM (what
 // bandwidth needs) depend on how many other warps happen to be waiting. Here each warp walks the
-// same (row, 256*U-wide chunk) sequence but loads chunk i + 1 into a second register set before it
-// computes chunk i, so it always has U loads per lane in flight. Chunk 0 is loaded before
-// griddepcontrol.wait (weights do not depend on earlier kernels).
+// same (row, 256*U-wide chunk) sequence but keeps two chunks in two register sets, so it always has
+// U loads per lane in flight. Chunk 0 (PRE = 1) or chunks 0 and 1 (PRE = 2) are loaded before
+// griddepcontrol.wait (weights do not depend on earlier kernels). PRE = 2 keeps both register sets
+// live across the x staging (68-74 registers instead of 61-64: 3 blocks of 256 threads per SM
+// instead of 4): the launcher picks it where the round trip it hides costs more than the lost
+// block (large matrices with long rows; H200, one GEMV type per graph: 4B down 17.6 -> 16.5 us per
+// kernel, QKV 12.0 -> 11.1 us; 0.6B QKV 4.7 -> 5.1 us).
 // ------------------------------------------------------------------------------------------------
 
-template <int B, gemv_out MODE, bool NORM, int U>
+template <int B, gemv_out MODE, bool NORM, int U, int PRE>
 __global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* __restrict__ W, int N, int K,
                                                                     GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
                                                                     unsigned long long* keys) {
@@ -324,22 +328,44 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* 
   int n = blockIdx.x * kGemvWarps + warp, kb = 0;
   pdl_trigger();
   load(wa, n, kb);  // weights do not depend on earlier kernels
-  pdl_wait();
-  stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
-  __syncthreads();
-
-  int n2 = n, kb2 = kb;
-  advance(n2, kb2);
-  while (n < N) {  // two chunks per trip, so that the register sets never swap (no dynamic indexing)
+  if constexpr (PRE == 1) {
+    pdl_wait();
+    stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+    __syncthreads();
+    int n2 = n, kb2 = kb;
+    advance(n2, kb2);
+    while (n < N) {  // two chunks per trip, so that the register sets never swap (no dynamic indexing)
+      load(wb, n2, kb2);
+      compute(wa, n, kb);
+      n = n2, kb = kb2;
+      advance(n2, kb2);
+      if (n >= N) break;
+      load(wa, n2, kb2);
+      compute(wb, n, kb);
+      n = n2, kb = kb2;
+      advance(n2, kb2);
+    }
+  } else {
+    // Both sets loaded before the wait; (n3, kb3) is the chunk after (n2, kb2), loaded into the set
+    // just computed, so two chunks stay in flight.
+    int n2 = n, kb2 = kb;
+    advance(n2, kb2);
     load(wb, n2, kb2);
-    compute(wa, n, kb);
-    n = n2, kb = kb2;
-    advance(n2, kb2);
-    if (n >= N) break;
-    load(wa, n2, kb2);
-    compute(wb, n, kb);
-    n = n2, kb = kb2;
-    advance(n2, kb2);
+    int n3 = n2, kb3 = kb2;
+    advance(n3, kb3);
+    pdl_wait();
+    stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+    __syncthreads();
+    auto step = [&]() { n = n2, kb = kb2, n2 = n3, kb2 = kb3, advance(n3, kb3); };
+    while (n < N) {  // two chunks per trip (no dynamic indexing of the register sets)
+      compute(wa, n, kb);
+      load(wa, n3, kb3);
+      step();
+      if (n >= N) break;
+      compute(wb, n, kb);
+      load(wb, n3, kb3);
+      step();
+    }
   }
   if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
 }
@@ -735,14 +761,25 @@ int fill_grid(std::size_t n) {
 template <int B, gemv_out MODE, bool NORM>
 void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
                    unsigned long long* keys, int num_sms, cudaStream_t s) {
-  auto kernel = g_gemv_rowpipe ? (g_gemv_loads == 8 ? gemv_rowpipe_kernel<B, MODE, NORM, 8>
-                                                   : gemv_rowpipe_kernel<B, MODE, NORM, 4>)
-                               : (g_gemv_loads == 8 ? gemv_kernel<B, MODE, NORM, 8> : gemv_kernel<B, MODE, NORM, 4>);
+  // rowpipe: both register sets loaded before the wait (PRE = 2) for 1-2 batch rows, rows of three
+  // chunks or more and a matrix of 16 MiB or more: where it measured faster (H200, graph step: 4B
+  // 2.77 -> 2.64 ms). For the 0.6B shape's down projection (6 MiB) and at 4 batch rows it measured
+  // slower. QWEN_GEMV_PRE=1 or 2 forces one or the other (diagnostics).
+  static const int pre_env = [] {
+    const char* v = std::getenv("QWEN_GEMV_PRE");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  const bool pre2 = pre_env == 2 || (pre_env != 1 && B <= 2 && (K + 256 * g_gemv_loads - 1) / (256 * g_gemv_loads) >= 3 &&
+                                     std::size_t(N) * (MODE == gemv_out::silu_mul ? 2 : 1) * K * sizeof(bf16) >= (16u << 20));
+  auto kernel = g_gemv_rowpipe
+                    ? (g_gemv_loads == 8 ? (pre2 ? gemv_rowpipe_kernel<B, MODE, NORM, 8, 2> : gemv_rowpipe_kernel<B, MODE, NORM, 8, 1>)
+                                         : (pre2 ? gemv_rowpipe_kernel<B, MODE, NORM, 4, 2> : gemv_rowpipe_kernel<B, MODE, NORM, 4, 1>))
+                    : (g_gemv_loads == 8 ? gemv_kernel<B, MODE, NORM, 8> : gemv_kernel<B, MODE, NORM, 4>);
   const std::size_t smem = std::size_t(B) * K * sizeof(bf16);
   // Occupancy per (kernel, shared-memory size), computed once: the grid is capped at what fits at
   // once, so x is staged once per resident block.
   static std::map<std::pair<std::size_t, int>, int> resident;
-  const auto key = std::make_pair(smem, g_gemv_loads * 2 + (g_gemv_rowpipe ? 1 : 0));
+  const auto key = std::make_pair(smem, g_gemv_loads * 4 + (g_gemv_rowpipe ? 1 : 0) + (pre2 ? 2 : 0));
   auto it = resident.find(key);
   if (it == resident.end()) {
     int per_sm = 0;
@@ -799,10 +836,14 @@ void init_gemv_attrs_u() {
   set_max_smem(gemv_kernel<B, gemv_out::silu_mul, true, U>);
   set_max_smem(gemv_kernel<B, gemv_out::argmax, true, U>);
   set_max_smem(gemv_kernel<B, gemv_out::add_f32, false, U>);
-  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::store_f32, true, U>);
-  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::silu_mul, true, U>);
-  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::argmax, true, U>);
-  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::add_f32, false, U>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::store_f32, true, U, 1>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::silu_mul, true, U, 1>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::argmax, true, U, 1>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::add_f32, false, U, 1>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::store_f32, true, U, 2>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::silu_mul, true, U, 2>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::argmax, true, U, 2>);
+  set_max_smem(gemv_rowpipe_kernel<B, gemv_out::add_f32, false, U, 2>);
 }
 template <int B>
 void init_gemv_attrs() {
