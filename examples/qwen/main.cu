@@ -142,20 +142,36 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
   return res;
 }
 
+/// Median GPU time in ms of `work` enqueued on s, over `runs` runs after 2 untimed ones.
+template <class F>
+double median_gpu_ms(replay::stream_ref s, int runs, F&& work) {
+  std::vector<double> t;
+  for (int i = 0; i < runs + 2; ++i) {
+    replay::event_timer et;
+    et.start(s);
+    work();
+    et.stop(s);
+    if (i >= 2) t.push_back(et.elapsed_ms());
+  }
+  return replay_examples::median(t);
+}
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  REPLAY_CHECK(cudaGetDevice(&dev));
+  REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
 /// Device-to-device copy bandwidth (bytes read + written per second), measured now.
 double d2d_bandwidth(replay::stream_ref s) {
   const std::size_t bytes = 1ull << 30;
   replay::device_buffer<std::byte> a(bytes), b(bytes);
   REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
-  std::vector<double> t;
-  for (int i = 0; i < 12; ++i) {
-    replay::event_timer et;
-    et.start(s);
+  const double ms = median_gpu_ms(s, 10, [&] {
     REPLAY_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s.get()));
-    et.stop(s);
-    if (i >= 2) t.push_back(et.elapsed_ms());
-  }
-  return 2.0 * bytes / (replay_examples::median(t) * 1e-3);
+  });
+  return 2.0 * bytes / (ms * 1e-3);
 }
 
 /// Read-only streaming bandwidth (bytes read per second) of launch_read_probe over 1 GiB, measured now.
@@ -164,18 +180,9 @@ double read_bandwidth(replay::stream_ref s) {
   replay::device_buffer<std::byte> a(bytes);
   replay::device_buffer<unsigned> sink(1);
   REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
-  int dev = 0, sms = 0;
-  REPLAY_CHECK(cudaGetDevice(&dev));
-  REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  std::vector<double> t;
-  for (int i = 0; i < 12; ++i) {
-    replay::event_timer et;
-    et.start(s);
-    qwen::launch_read_probe(a.data(), bytes, sink.data(), sms, s);
-    et.stop(s);
-    if (i >= 2) t.push_back(et.elapsed_ms());
-  }
-  return bytes / (replay_examples::median(t) * 1e-3);
+  const int sms = sm_count();
+  const double ms = median_gpu_ms(s, 10, [&] { qwen::launch_read_probe(a.data(), bytes, sink.data(), sms, s); });
+  return bytes / (ms * 1e-3);
 }
 
 /// The kernel-per-matrix floor of a batch-1 decode step, in ms of GPU time: one streaming-read kernel
@@ -197,9 +204,7 @@ double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
   replay::device_buffer<std::byte> w(total);
   replay::device_buffer<unsigned> sink(1);
   REPLAY_CHECK(cudaMemsetAsync(w.data(), 1, total, s.get()));
-  int dev = 0, sms = 0;
-  REPLAY_CHECK(cudaGetDevice(&dev));
-  REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = sm_count();
   const auto exec = replay::capture(s, [&](replay::stream_ref cs) {
                       std::size_t off = 0;
                       for (std::size_t b : sizes) {
@@ -207,15 +212,7 @@ double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
                         off += b;
                       }
                     }).instantiate({.upload_stream = s.get()});
-  std::vector<double> t;
-  for (int i = 0; i < 22; ++i) {
-    replay::event_timer et;
-    et.start(s);
-    exec.launch(s);
-    et.stop(s);
-    if (i >= 2) t.push_back(et.elapsed_ms());
-  }
-  return replay_examples::median(t);
+  return median_gpu_ms(s, 20, [&] { exec.launch(s); });
 }
 
 std::string device_name() {
