@@ -10,6 +10,8 @@
 #   bench1    batch-1 bench only; nopdl: batch-1 bench without PDL
 #   gemv      batch-1/2/4 TPOT of the pipelined per-row GEMV (rowpipe, default) and the per-row GEMV (legacy)
 #   nsys      per-kernel GPU time summary and trace tail of a 0.6B / 4B graph bench (if nsys is installed)
+#   gemvfloor each decode GEMV's per-kernel cost in a graph against a streaming read of its bytes
+#             (qwen_gemv_floor, 0.6B and 4B, 1 and 4 rows; gemv_floor.md)
 #   longctx   batch-1 TPOT after a 2000-token prompt, default (rowpipe), legacy and streaming kernels
 #   variants  batch-1 TPOT of every decode-kernel variant and streaming setting, 0.6B and 4B, plus a
 #             phase-completion trace of the streaming kernel (variants.md)
@@ -17,7 +19,7 @@
 #             legacy kernels; bar 2e-2 as parity.py's: with bf16 activations two fp32 summation orders
 #             differ by 4e-3 (0.6B) to 1.2e-2 (4B)
 # Logs and JSON go to $OUT (or ./out): qwen.log (everything), parity*.json, bench_*.json, variants.md.
-# BIN_DIR=dir: use prebuilt qwen, qwen_gpu, qwen_host from dir when they run here (skips the build).
+# BIN_DIR=dir: use prebuilt qwen, qwen_gpu, qwen_host (and qwen_gemv_floor) from dir when they run here (skips the build).
 # QWEN_KERNELS, QWEN_STREAM_TILE_KB, QWEN_STREAM_SLOTS, QWEN_STREAM_TRACE: defaults of the qwen CLI
 # (and so of parity.py); QWEN_TEST_KERNELS: the GPU test's variants.
 set -uo pipefail
@@ -39,7 +41,7 @@ else
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DREPLAY_EXAMPLES="common;qwen" -DREPLAY_BUILD_BENCHMARKS=OFF >"$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
-  cmake --build "$build" -j16 --target qwen qwen_gpu qwen_host >"$out/build.log" 2>&1 \
+  cmake --build "$build" -j16 --target qwen qwen_gpu qwen_host qwen_gemv_floor >"$out/build.log" 2>&1 \
     || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
   say "build: $(( $(date +%s) - t0 )) s"; rm -f "$out/configure.log" "$out/build.log"
 fi
@@ -136,6 +138,10 @@ PY
         QWEN_ATTN_MIN_CHUNK=$mc run timeout 120 "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 \
           --bench-batches 1,8 --kv-mem-mb 4096 --json "$out/splitkv_qwen3-0.6b_2000_c$mc.json"
       done ;;
+    gemvfloor)
+      say "\$ $bin/qwen_gemv_floor --rows 1,4"
+      timeout 200 "$bin/qwen_gemv_floor" --rows 1,4 >"$out/gemv_floor.md" 2>&1; rc=$?
+      tee -a "$log" <"$out/gemv_floor.md"; say "(exit $rc)" ;;
     longctx)  # attention cost grows with the context: batch-1 TPOT after a 2000-token prompt
       for k in rowpipe legacy step; do
         run timeout 120 "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 --bench-batches 1 --kv-mem-mb 4096 \

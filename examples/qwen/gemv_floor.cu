@@ -1,0 +1,139 @@
+// examples/qwen/gemv_floor.cu: what each decode GEMV costs in a graph, against the kernel-per-matrix
+// floor (a streaming read of the same bytes, launch_read_link).
+//
+// For each matrix of a preset's decode step (QKV with the fused RMSNorm, O with the residual add,
+// gate/up with SiLU, down, lm_head with argmax) it captures a chain of one kernel per layer over
+// distinct copies of the matrix (so nothing is served from L2), launched as the decode step launches
+// them (PDL as set), and reports the median GPU time per kernel over 20 replays: the GEMV at each
+// requested batch size, and the read link. The difference is what the GEMV adds to streaming its
+// weights (staging of x, arithmetic, reductions, epilogue, imbalance). Timings do not depend on the
+// values (constants here).
+//
+//   qwen_gemv_floor --preset qwen3-0.6b --preset qwen3-4b --rows 1,4
+#include "qwen/config.hpp"
+#include "qwen/kernels.cuh"
+
+#include <common/report.hpp>
+#include <replay/buffer.hpp>
+#include <replay/capture.hpp>
+#include <replay/error.hpp>
+#include <replay/event.hpp>
+#include <replay/stream.hpp>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+using qwen::bf16;
+using qwen::gemv_out;
+
+struct Matrix {
+  const char* name;
+  int N, K;       // output rows (gate/up: per half), input width
+  gemv_out mode;  // epilogue
+  bool norm;      // RMSNorm of the fp32 residual fused into the prologue
+  int copies;     // kernels in the chain
+};
+
+/// Median GPU time in µs per kernel of `chain` (which enqueues `count` kernels), captured once.
+template <class F>
+double us_per_kernel(replay::stream_ref s, int count, F&& chain) {
+  const auto exec = replay::capture(s, chain).instantiate({.upload_stream = s.get()});
+  std::vector<double> t;
+  for (int i = 0; i < 22; ++i) {
+    replay::event_timer et;
+    et.start(s);
+    exec.launch(s);
+    et.stop(s);
+    if (i >= 2) t.push_back(et.elapsed_ms());
+  }
+  return replay_examples::median(t) * 1e3 / count;
+}
+
+void run_preset(const qwen::Config& c, const std::vector<int>& rows_list, int sms, replay::stream_ref s) {
+  const int H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), L = c.num_hidden_layers;
+  const Matrix mats[] = {{"QKV (norm)", c.qkv_dim(), H, gemv_out::store_f32, true, L},
+                         {"O (+ residual)", H, Q, gemv_out::add_f32, false, L},
+                         {"gate/up (norm, SiLU)", I, H, gemv_out::silu_mul, true, L},
+                         {"down (+ residual)", H, I, gemv_out::add_f32, false, L},
+                         {"lm_head (norm, argmax)", c.vocab_size, H, gemv_out::argmax, true, 4}};
+  const std::size_t max_k = std::max({H, Q, I}), max_out = std::max<std::size_t>(c.vocab_size, 2ull * I);
+  replay::device_buffer<float> residual(qwen::kGemvMaxRows * max_k), y(qwen::kGemvMaxRows * max_out);
+  replay::device_buffer<bf16> x(qwen::kGemvMaxRows * max_k), norm_w(max_k), act(qwen::kGemvMaxRows * max_out);
+  replay::device_buffer<unsigned long long> keys(qwen::kGemvMaxRows);
+  replay::device_buffer<unsigned> sink(1);
+  qwen::launch_fill_const(norm_w.data(), norm_w.size(), 1.0f, s);
+  qwen::launch_fill_const(x.data(), x.size(), 0.01f, s);
+  REPLAY_CHECK(cudaMemsetAsync(residual.data(), 0, residual.size_bytes(), s.get()));
+
+  std::vector<std::string> header{"matrix", "MB"};
+  for (int r : rows_list) header.push_back(fmt::format("GEMV, {} row(s) (µs)", r));
+  header.insert(header.end(), {"read link (µs)", "excess, 1st (µs)"});
+  replay_examples::table t(header);
+  for (const Matrix& m : mats) {
+    const std::size_t w_rows = m.mode == gemv_out::silu_mul ? 2ull * m.N : std::size_t(m.N);
+    const std::size_t elems = w_rows * m.K, bytes = elems * sizeof(bf16);
+    replay::device_buffer<bf16> w(elems * m.copies);
+    qwen::launch_fill_const(w.data(), w.size(), 0.001f, s);
+    std::vector<std::string> row{m.name, fmt::format("{:.1f}", bytes / 1e6)};
+    double first = 0;
+    for (int r : rows_list) {
+      const double us = us_per_kernel(s, m.copies, [&](replay::stream_ref cs) {
+        for (int i = 0; i < m.copies; ++i)
+          qwen::launch_gemv(w.data() + i * elems, m.N, m.K, r, {x.data(), residual.data(), m.norm ? norm_w.data() : nullptr},
+                            m.mode, y.data(), act.data(), m.mode == gemv_out::silu_mul ? I : m.N, keys.data(), sms, cs);
+      });
+      if (first == 0) first = us;
+      row.push_back(fmt::format("{:.2f}", us));
+    }
+    const double link = us_per_kernel(s, m.copies, [&](replay::stream_ref cs) {
+      for (int i = 0; i < m.copies; ++i) qwen::launch_read_link(w.data() + i * elems, bytes, sink.data(), sms, cs);
+    });
+    row.push_back(fmt::format("{:.2f}", link));
+    row.push_back(fmt::format("{:+.2f}", first - link));
+    t.add_row(std::move(row));
+  }
+  s.synchronize();
+  fmt::print("\n## {}: per-kernel GPU time in a graph ({} layers, PDL {})\n{}", c.name, L,
+             qwen::pdl_enabled() ? "on" : "off", t.markdown());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Per-kernel cost of each Qwen3 decode GEMV against a streaming read of its bytes"};
+  std::vector<std::string> presets;
+  std::vector<int> rows{1, 4};
+  bool no_pdl = false;
+  app.add_option("--preset", presets, "model shapes (default: qwen3-0.6b and qwen3-4b)");
+  app.add_option("--rows", rows, "batch rows of the GEMVs, 1..4 (default: 1,4)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, qwen::kGemvMaxRows));
+  app.add_flag("--no-pdl", no_pdl, "launch without programmatic dependent launch");
+  CLI11_PARSE(app, argc, argv);
+  if (presets.empty()) presets = {"qwen3-0.6b", "qwen3-4b"};
+  try {
+    std::vector<qwen::Config> cfgs;
+    for (const auto& p : presets) cfgs.push_back(qwen::preset(p));  // bad names fail before GPU work
+    int dev = 0, sms = 0;
+    REPLAY_CHECK(cudaGetDevice(&dev));
+    REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    cudaDeviceProp prop{};
+    REPLAY_CHECK(cudaGetDeviceProperties(&prop, dev));
+    fmt::print("device: {}\n", prop.name);
+    qwen::init_kernel_attributes();
+    qwen::set_pdl(!no_pdl);
+    replay::stream s;
+    for (const auto& c : cfgs) run_preset(c, rows, sms, s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
