@@ -14,10 +14,10 @@
 #include "qwen/kernels.cuh"
 
 #include <common/report.hpp>
+#include <common/timing.hpp>
 #include <replay/buffer.hpp>
 #include <replay/capture.hpp>
 #include <replay/error.hpp>
-#include <replay/event.hpp>
 #include <replay/stream.hpp>
 
 #include <CLI/CLI.hpp>
@@ -45,15 +45,7 @@ struct Matrix {
 template <class F>
 double us_per_kernel(replay::stream_ref s, int count, F&& chain) {
   const auto exec = replay::capture(s, chain).instantiate({.upload_stream = s.get()});
-  std::vector<double> t;
-  for (int i = 0; i < 22; ++i) {
-    replay::event_timer et;
-    et.start(s);
-    exec.launch(s);
-    et.stop(s);
-    if (i >= 2) t.push_back(et.elapsed_ms());
-  }
-  return replay_examples::median(t) * 1e3 / count;
+  return replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); }) * 1e3 / count;
 }
 
 void run_preset(const qwen::Config& c, const std::vector<int>& rows_list, int sms, replay::stream_ref s) {

@@ -142,20 +142,6 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
   return res;
 }
 
-/// Median GPU time in ms of `work` enqueued on s, over `runs` runs after 2 untimed ones.
-template <class F>
-double median_gpu_ms(replay::stream_ref s, int runs, F&& work) {
-  std::vector<double> t;
-  for (int i = 0; i < runs + 2; ++i) {
-    replay::event_timer et;
-    et.start(s);
-    work();
-    et.stop(s);
-    if (i >= 2) t.push_back(et.elapsed_ms());
-  }
-  return replay_examples::median(t);
-}
-
 int sm_count() {
   int dev = 0, sms = 0;
   REPLAY_CHECK(cudaGetDevice(&dev));
@@ -168,7 +154,7 @@ double d2d_bandwidth(replay::stream_ref s) {
   const std::size_t bytes = 1ull << 30;
   replay::device_buffer<std::byte> a(bytes), b(bytes);
   REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
-  const double ms = median_gpu_ms(s, 10, [&] {
+  const double ms = replay_examples::median_gpu_ms(s, 10, [&] {
     REPLAY_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s.get()));
   });
   return 2.0 * bytes / (ms * 1e-3);
@@ -181,7 +167,7 @@ double read_bandwidth(replay::stream_ref s) {
   replay::device_buffer<unsigned> sink(1);
   REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
   const int sms = sm_count();
-  const double ms = median_gpu_ms(s, 10, [&] { qwen::launch_read_probe(a.data(), bytes, sink.data(), sms, s); });
+  const double ms = replay_examples::median_gpu_ms(s, 10, [&] { qwen::launch_read_probe(a.data(), bytes, sink.data(), sms, s); });
   return bytes / (ms * 1e-3);
 }
 
@@ -212,7 +198,7 @@ double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
                         off += b;
                       }
                     }).instantiate({.upload_stream = s.get()});
-  return median_gpu_ms(s, 20, [&] { exec.launch(s); });
+  return replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); });
 }
 
 std::string device_name() {
