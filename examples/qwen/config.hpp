@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -42,10 +43,24 @@ struct Config {
   [[nodiscard]] int qkv_dim() const { return q_dim() + 2 * kv_dim(); }
   [[nodiscard]] int group_size() const { return num_attention_heads / num_key_value_heads; }
 
+  /// One weight matrix of a decoder layer: `rows` outputs (gate/up: both halves) of `cols` inputs.
+  struct LayerMatrix {
+    const char* name;
+    int rows, cols;
+    [[nodiscard]] std::int64_t params() const { return std::int64_t(rows) * cols; }
+  };
+  /// A layer's matrices in the order a decode step reads them: QKV (fused), O, gate/up (fused), down.
+  [[nodiscard]] std::array<LayerMatrix, 4> layer_matrices() const {
+    return {{{"QKV", qkv_dim(), hidden_size},
+             {"O", hidden_size, q_dim()},
+             {"gate/up", 2 * intermediate_size, hidden_size},
+             {"down", hidden_size, intermediate_size}}};
+  }
   /// Parameters of one decoder layer (all matrices and norm vectors).
   [[nodiscard]] std::int64_t layer_params() const {
-    const std::int64_t h = hidden_size, i = intermediate_size;
-    return h * qkv_dim() + std::int64_t(q_dim()) * h + 3 * h * i + 2 * h + 2 * head_dim;
+    std::int64_t n = 2 * std::int64_t(hidden_size) + 2 * head_dim;
+    for (const auto& m : layer_matrices()) n += m.params();
+    return n;
   }
   /// Bytes of bf16 weights a batch-1 decode step must read: every layer matrix, the final norm, the
   /// lm_head, and one embedding row.

@@ -13,6 +13,7 @@
 #include "qwen/config.hpp"
 #include "qwen/kernels.cuh"
 
+#include <common/device.hpp>
 #include <common/report.hpp>
 #include <common/timing.hpp>
 #include <replay/buffer.hpp>
@@ -34,7 +35,7 @@ using qwen::bf16;
 using qwen::gemv_out;
 
 struct Matrix {
-  const char* name;
+  std::string name;
   int N, K;       // output rows (gate/up: per half), input width
   gemv_out mode;  // epilogue
   bool norm;      // RMSNorm of the fp32 residual fused into the prologue
@@ -49,13 +50,27 @@ double us_per_kernel(replay::stream_ref s, int count, F&& chain) {
 }
 
 void run_preset(const qwen::Config& c, const std::vector<int>& rows_list, int sms, replay::stream_ref s) {
-  const int H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), L = c.num_hidden_layers;
-  const Matrix mats[] = {{"QKV (norm)", c.qkv_dim(), H, gemv_out::store_f32, true, L},
-                         {"O (+ residual)", H, Q, gemv_out::add_f32, false, L},
-                         {"gate/up (norm, SiLU)", I, H, gemv_out::silu_mul, true, L},
-                         {"down (+ residual)", H, I, gemv_out::add_f32, false, L},
-                         {"lm_head (norm, argmax)", c.vocab_size, H, gemv_out::argmax, true, 4}};
-  const std::size_t max_k = std::max({H, Q, I}), max_out = std::max<std::size_t>(c.vocab_size, 2ull * I);
+  const int H = c.hidden_size, I = c.intermediate_size, L = c.num_hidden_layers;
+  // The layer's matrices with the decode step's epilogues (layer_matrices order), then lm_head.
+  const struct {
+    const char* what;
+    gemv_out mode;
+    bool norm;
+  } roles[] = {{"norm", gemv_out::store_f32, true},
+               {"+ residual", gemv_out::add_f32, false},
+               {"norm, SiLU", gemv_out::silu_mul, true},
+               {"+ residual", gemv_out::add_f32, false}};
+  std::vector<Matrix> mats;
+  std::size_t max_k = 0;
+  const auto layer = c.layer_matrices();
+  for (std::size_t i = 0; i < layer.size(); ++i) {
+    const auto& m = layer[i];
+    const int n = roles[i].mode == gemv_out::silu_mul ? m.rows / 2 : m.rows;
+    mats.push_back({fmt::format("{} ({})", m.name, roles[i].what), n, m.cols, roles[i].mode, roles[i].norm, L});
+    max_k = std::max<std::size_t>(max_k, m.cols);
+  }
+  mats.push_back({"lm_head (norm, argmax)", c.vocab_size, H, gemv_out::argmax, true, 4});
+  const std::size_t max_out = std::max<std::size_t>(c.vocab_size, 2ull * I);
   replay::device_buffer<float> residual(qwen::kGemvMaxRows * max_k), y(qwen::kGemvMaxRows * max_out);
   replay::device_buffer<bf16> x(qwen::kGemvMaxRows * max_k), norm_w(max_k), act(qwen::kGemvMaxRows * max_out);
   replay::device_buffer<unsigned long long> keys(qwen::kGemvMaxRows);
@@ -113,12 +128,8 @@ int main(int argc, char** argv) {
   try {
     std::vector<qwen::Config> cfgs;
     for (const auto& p : presets) cfgs.push_back(qwen::preset(p));  // bad names fail before GPU work
-    int dev = 0, sms = 0;
-    REPLAY_CHECK(cudaGetDevice(&dev));
-    REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    cudaDeviceProp prop{};
-    REPLAY_CHECK(cudaGetDeviceProperties(&prop, dev));
-    fmt::print("device: {}\n", prop.name);
+    const int sms = replay_examples::sm_count();
+    fmt::print("device: {}\n", replay_examples::device_name());
     qwen::init_kernel_attributes();
     qwen::set_pdl(!no_pdl);
     replay::stream s;

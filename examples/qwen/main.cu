@@ -8,6 +8,7 @@
 //   qwen --model dir --prompt ... --teacher-force 8 --dump-logits logits.f32
 #include "model.hpp"
 
+#include <common/device.hpp>
 #include <common/report.hpp>
 #include <common/rng.hpp>
 #include <common/safetensors.hpp>
@@ -142,13 +143,6 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
   return res;
 }
 
-int sm_count() {
-  int dev = 0, sms = 0;
-  REPLAY_CHECK(cudaGetDevice(&dev));
-  REPLAY_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 /// Device-to-device copy bandwidth (bytes read + written per second), measured now.
 double d2d_bandwidth(replay::stream_ref s) {
   const std::size_t bytes = 1ull << 30;
@@ -166,7 +160,7 @@ double read_bandwidth(replay::stream_ref s) {
   replay::device_buffer<std::byte> a(bytes);
   replay::device_buffer<unsigned> sink(1);
   REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
-  const int sms = sm_count();
+  const int sms = replay_examples::sm_count();
   const double ms = replay_examples::median_gpu_ms(s, 10, [&] { qwen::launch_read_probe(a.data(), bytes, sink.data(), sms, s); });
   return bytes / (ms * 1e-3);
 }
@@ -177,11 +171,14 @@ double read_bandwidth(replay::stream_ref s) {
 /// median of 20 replays. What the step would cost if every kernel only streamed its weights, with
 /// the same launches and PDL handoffs. 0 when the device has no room for a copy of the weights.
 double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
-  const std::size_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), QKV = c.qkv_dim(), V = c.vocab_size;
+  const auto mats = c.layer_matrices();
   std::vector<std::size_t> sizes;
   for (int l = 0; l < c.num_hidden_layers; ++l)
-    for (std::size_t b : {QKV * H, std::size_t(0), H * Q, 2 * I * H, H * I}) sizes.push_back(b * sizeof(qwen::bf16));
-  sizes.push_back(V * H * sizeof(qwen::bf16));
+    for (std::size_t i = 0; i < mats.size(); ++i) {
+      sizes.push_back(mats[i].params() * sizeof(qwen::bf16));
+      if (i == 0) sizes.push_back(0);  // attention runs after the QKV projection
+    }
+  sizes.push_back(std::size_t(c.vocab_size) * c.hidden_size * sizeof(qwen::bf16));
   std::size_t total = 0;
   for (std::size_t b : sizes) total += b;
   std::size_t free_bytes = 0, device_bytes = 0;
@@ -190,7 +187,7 @@ double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
   replay::device_buffer<std::byte> w(total);
   replay::device_buffer<unsigned> sink(1);
   REPLAY_CHECK(cudaMemsetAsync(w.data(), 1, total, s.get()));
-  const int sms = sm_count();
+  const int sms = replay_examples::sm_count();
   const auto exec = replay::capture(s, [&](replay::stream_ref cs) {
                       std::size_t off = 0;
                       for (std::size_t b : sizes) {
@@ -199,14 +196,6 @@ double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
                       }
                     }).instantiate({.upload_stream = s.get()});
   return replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); });
-}
-
-std::string device_name() {
-  int dev = 0;
-  cudaDeviceProp p{};
-  REPLAY_CHECK(cudaGetDevice(&dev));
-  REPLAY_CHECK(cudaGetDeviceProperties(&p, dev));
-  return p.name;
 }
 
 double mib(double b) { return b / 1048576.0; }
@@ -342,7 +331,7 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "error: no CUDA device\n");
       return 3;
     }
-    const std::string dev = device_name();
+    const std::string dev = replay_examples::device_name();
     set_pdl(!no_pdl);
     replay_examples::stopwatch load_sw;
     Engine eng(cfg, opt, st ? &*st : nullptr);

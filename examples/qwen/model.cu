@@ -3,6 +3,8 @@
 
 #include "stream.cuh"
 
+#include <common/device.hpp>
+
 #include <replay/capture.hpp>
 #include <replay/graph.hpp>
 #include <replay/runner.hpp>
@@ -110,9 +112,7 @@ struct Engine::Impl {
     opt.validate(cfg);
     if (st != nullptr) check_weights(cfg, *st);
     // ---- GPU work starts here -----------------------------------------------------------------
-    int dev = 0;
-    REPLAY_CHECK(cudaGetDevice(&dev));
-    REPLAY_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+    num_sms = replay_examples::sm_count();
     init_kernel_attributes();
     stream = replay::stream();
     QWEN_CUBLAS(cublasCreate(&cublas));
