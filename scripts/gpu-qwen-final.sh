@@ -20,9 +20,9 @@ for part in $parts; do
         "$out/main/qwen.log" | head -150
       tar czf "$out/final-main.tgz" -C "$out" main && rm -rf "$out/main" ;;
     sanitize)
-      OUT="$out/mem" QWEN_TEST_KERNELS=rowpipe,legacy bash scripts/gpu-qwen.sh memcheck >/dev/null 2>&1
-      for tc in "eager and graph*" "split-KV*"; do
-        QWEN_TEST_KERNELS=rowpipe timeout 280 compute-sanitizer --tool racecheck --racecheck-report analysis \
+      OUT="$out/mem" QWEN_TEST_KERNELS=ring,rowpipe,legacy bash scripts/gpu-qwen.sh memcheck >/dev/null 2>&1
+      for tc in "eager and graph*" "the ring*" "split-KV*"; do
+        QWEN_TEST_KERNELS=ring timeout 280 compute-sanitizer --tool racecheck --racecheck-report analysis \
           "$bin/qwen_gpu" -tc="$tc" >>"$out/racecheck.log" 2>&1
         echo "racecheck ($tc) exit $?" >>"$out/racecheck.log"
       done

@@ -8,11 +8,12 @@
 #   parity_small  the same with 2 KiB streaming tiles (GEMV items of 1-4 rows; parity_small.json)
 #   demo      staggered batch; bench: 0.6B and 4B batch-1 TPOT vs D2D and batched throughput
 #   bench1    batch-1 bench only; nopdl: batch-1 bench without PDL
-#   gemv      batch-1/2/4 TPOT of the pipelined per-row GEMV (rowpipe, default) and the per-row GEMV (legacy)
+#   gemv      batch-1/2/4 TPOT of the ring GEMV (ring, default), the pipelined per-row GEMV (rowpipe) and the
+#             per-row GEMV (legacy)
 #   nsys      per-kernel GPU time summary and trace tail of a 0.6B / 4B graph bench (if nsys is installed)
 #   gemvfloor each decode GEMV's per-kernel cost in a graph against a streaming read of its bytes
 #             (qwen_gemv_floor, 0.6B and 4B, 1 and 4 rows; gemv_floor.md)
-#   longctx   batch-1 TPOT after a 2000-token prompt, default (rowpipe), legacy and streaming kernels
+#   longctx   batch-1 TPOT after a 2000-token prompt, default (ring), rowpipe, legacy and streaming kernels
 #   variants  batch-1 TPOT of every decode-kernel variant and streaming setting, 0.6B and 4B, plus a
 #             phase-completion trace of the streaming kernel (variants.md)
 #   xcheck    teacher-forced logits of the 0.6B and 4B shapes (random weights), every variant against the
@@ -102,7 +103,7 @@ PY
     gemv)  # batch-1/2/4 TPOT, pipelined vs plain per-row GEMV, one process each
       for shape in qwen3-0.6b qwen3-4b; do
         kv=4096; [ $shape = qwen3-4b ] && kv=8192
-        for k in ${GEMV_KERNELS:-rowpipe legacy}; do
+        for k in ${GEMV_KERNELS:-ring rowpipe legacy}; do
           run timeout 120 "$q" --preset $shape --bench --random-prompt 16 --gen 128 --bench-batches 1,2,4 --kv-mem-mb $kv \
             --kernels $k --json "$out/gemv_${shape}_$k.json"
         done
@@ -113,7 +114,7 @@ PY
         for shape in qwen3-0.6b qwen3-4b; do
           run timeout 200 "$ns" profile --cuda-graph-trace=node --force-overwrite true -o "/tmp/prof_$shape" \
             "$q" --preset $shape --bench --random-prompt 16 --gen 32 --bench-batches 1 --kv-mem-mb 4096 --quiet \
-            --kernels ${NSYS_KERNELS:-rowpipe}
+            --kernels ${NSYS_KERNELS:-ring}
           "$ns" stats --force-export=true --report cuda_gpu_kern_sum --format csv "/tmp/prof_$shape.nsys-rep" \
             >"$out/nsys_${shape}_kern_sum.csv" 2>&1
           "$ns" stats --report cuda_gpu_trace --format csv "/tmp/prof_$shape.nsys-rep" 2>/dev/null | tail -800 \
@@ -143,7 +144,7 @@ PY
       timeout 200 "$bin/qwen_gemv_floor" --rows 1,4 >"$out/gemv_floor.md" 2>&1; rc=$?
       tee -a "$log" <"$out/gemv_floor.md"; say "(exit $rc)" ;;
     longctx)  # attention cost grows with the context: batch-1 TPOT after a 2000-token prompt
-      for k in rowpipe legacy step; do
+      for k in ring rowpipe legacy step; do
         run timeout 120 "$q" --preset qwen3-0.6b --bench --random-prompt 2000 --gen 64 --bench-batches 1 --kv-mem-mb 4096 \
           --kernels $k
       done ;;

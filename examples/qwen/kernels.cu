@@ -7,10 +7,16 @@
 
 #include <replay/error.hpp>
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <algorithm>
 #include <map>
+#include <string>
+#include <tuple>
+#include <vector>
 #include <utility>
 
 namespace qwen {
@@ -71,8 +77,21 @@ __global__ void embed_kernel(const bf16* __restrict__ embed, int vocab, int hidd
 /// Stages the GEMV input for B batch rows in shared memory as bf16: x copied as is, or the fp32
 /// residual RMS-normalised with in.norm_w (the layer's RMSNorm fused into the projection). Every
 /// thread of the block takes part; the caller synchronises before reading xs.
-template <int B, bool NORM, int WARPS>
-__device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS][B]) {
+/// The RMSNorm weights a thread of stage_x uses in its first two passes (k = 8 tid + 2048 i for 256
+/// threads), loaded before griddepcontrol.wait: they do not depend on earlier kernels, and loading
+/// them after it put one more round trip to L2 on the critical path.
+template <int WARPS>
+__device__ __forceinline__ void norm_weights_prefetch(const GemvIn& in, int K, uint4 (&g)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int k = threadIdx.x * 8 + i * (WARPS * 32) * 8;
+    g[i] = in.norm_w != nullptr && k < K ? *reinterpret_cast<const uint4*>(in.norm_w + k) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int B, bool NORM, int WARPS, bool PREG = false>
+__device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS][B],
+                                        const uint4 (&gpre)[2] = {}) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if constexpr (NORM) {
     float ss[B];
@@ -99,9 +118,9 @@ __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float
       for (int w = 0; w < WARPS; ++w) s += red[w][b];
       rs[b] = rsqrtf(s / K + in.eps);
     }
-    for (int k = tid * 8; k < K; k += (WARPS * 32) * 8) {
+    for (int k = tid * 8, pass = 0; k < K; k += (WARPS * 32) * 8, ++pass) {
       float g[8];
-      unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
+      unpack8(PREG && pass < 2 ? (pass == 0 ? gpre[0] : gpre[1]) : *reinterpret_cast<const uint4*>(in.norm_w + k), g);
 #pragma unroll
       for (int b = 0; b < B; ++b) {
         const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
@@ -370,6 +389,126 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* 
   if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
 }
 
+// ------------------------------------------------------------------------------------------------
+// Per-warp shared-memory ring GEMV (`ring` decode kernels)
+//
+// The register-pipelined GEMV fills every SM's register file (3-4 blocks of 256 threads), so the
+// next kernel's blocks can only become resident, and start loading their weights, as this kernel's
+// blocks exit: at every kernel boundary DRAM idles for the tail, the launch and the x staging. Here
+// one block per SM owns a contiguous share of the rows and each warp streams its own rows through its
+// own ring of shared-memory slots filled by bulk copies (cp.async.bulk, issued by lane 0, completing
+// on one mbarrier per slot). The bytes in flight cost no registers, and a block takes about half an
+// SM's shared memory, so the next kernel's block fits beside it: it launches (PDL) while this one
+// runs and fills its whole ring before griddepcontrol.wait. For the 0.6B shape's layer matrices the
+// rings hold the whole matrix, so the weights are in shared memory before the previous kernel ends.
+// A slot holds one 1024-wide piece of a row (of the gate and the up row for silu_mul); lane l
+// multiplies weights k0 + 256u + 8l .. +8 (u < 4) of each piece, in the same order as the pipelined
+// GEMV with U = 4, so the two give bit-identical results. Each warp refills a slot as soon as its
+// lanes have read it; no block-wide barrier after the x staging.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kRingPiece = 1024;  // weights per row per slot (2 KiB of bf16)
+constexpr int kRingMaxSlots = 8;  // slots per warp at most
+constexpr std::size_t kRingSmemBudget = 100 * 1024;  // dynamic shared memory per block (x + rings)
+
+template <int B, gemv_out MODE, bool NORM>
+__global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
+                                                                 float* y_f32, bf16* y_bf16, int ldy,
+                                                                 unsigned long long* keys, int slots,
+                                                                 unsigned long long* trace) {
+  constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
+  constexpr int kSlotElems = R * kRingPiece;
+  const unsigned long long t_start = trace != nullptr ? global_ns() : 0;
+  extern __shared__ uint4 smem_u4[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K] (K % 8 == 0: the rings stay 16-byte aligned)
+  __shared__ unsigned long long bars[kGemvWarps][kRingMaxSlots];
+  __shared__ float red[kGemvWarps][B];
+  __shared__ unsigned long long red_key[kGemvWarps][B];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  bf16* ring = xs + std::size_t(B) * K + std::size_t(warp) * slots * kSlotElems;
+  unsigned long long* bar = bars[warp];
+
+  // This block's rows [rb, re); this warp's rows rb + warp + 8i; P pieces per row; T items.
+  const int rb = static_cast<int>(static_cast<long long>(blockIdx.x) * N / gridDim.x);
+  const int re = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * N / gridDim.x);
+  const int P = (K + kRingPiece - 1) / kRingPiece;
+  const int my_rows = rb + warp < re ? (re - rb - warp + kGemvWarps - 1) / kGemvWarps : 0;
+  const int T = my_rows * P;
+
+  auto issue = [&](int t, int s) {  // lane 0: item t (row, piece) into slot s, one bulk copy per row piece
+    const int n = rb + warp + (t / P) * kGemvWarps, k0 = (t % P) * kRingPiece;
+    const unsigned bytes = static_cast<unsigned>(min(kRingPiece, K - k0)) * sizeof(bf16);
+    const unsigned long long pol = evict_first_policy();
+    mbar_arrive_tx(bar + s, R * bytes);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      bulk_load(ring + std::size_t(s) * kSlotElems + r * kRingPiece, W + (std::size_t(r) * N + n) * K + k0, bytes,
+                bar + s, pol);
+  };
+
+  pdl_trigger();
+  if (lane == 0) {  // weights do not depend on earlier kernels: fill the ring before the wait
+    for (int s = 0; s < slots; ++s) mbar_init(bar + s, 1);
+    mbar_fence_init();
+    for (int t = 0; t < T && t < slots; ++t) issue(t, t);
+  }
+  __syncwarp();
+  uint4 gpre[2];
+  if constexpr (NORM) norm_weights_prefetch<kGemvWarps>(in, K, gpre);
+  pdl_wait();
+  const unsigned long long t_wait = trace != nullptr ? global_ns() : 0;
+  stage_x<B, NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
+  __syncthreads();
+  const unsigned long long t_staged = trace != nullptr ? global_ns() : 0;
+
+  float acc[R][B];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+  float best_v[B];
+  int best_i[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+
+  int s = 0, n = rb + warp, p = 0;
+  unsigned parity = 0;
+  unsigned long long t_data = 0;
+  for (int t = 0; t < T; ++t) {
+    mbar_wait(bar + s, parity, s);
+    if (trace != nullptr && t == T - 1) t_data = global_ns();
+    const bf16* slot = ring + std::size_t(s) * kSlotElems;
+    const int k0 = p * kRingPiece;
+    uint4 w[R][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int k = u * 256 + lane * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        w[r][u] = k0 + k < K ? *reinterpret_cast<const uint4*>(slot + r * kRingPiece + k) : make_uint4(0, 0, 0, 0);
+    }
+    __syncwarp();  // every lane has read the slot: refill it
+    if (lane == 0 && t + slots < T) {
+      fence_proxy_async();
+      issue(t + slots, s);
+    }
+    gemv_fma_chunk<B, R, 4>(w, xs, K, k0 + lane * 8, acc);
+    if (p == P - 1) {
+      gemv_finish_row<B, R, MODE>(acc, n, lane, y_f32, y_bf16, ldy, best_v, best_i);
+      n += kGemvWarps, p = 0;
+    } else {
+      ++p;
+    }
+    if (++s == slots) s = 0, parity ^= 1u;
+  }
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
+  if (trace != nullptr) {  // diagnostics (QWEN_RING_TRACE): entry, wait released, x staged, this warp done
+    unsigned long long* rec = trace + std::size_t(blockIdx.x) * (kGemvWarps + 4);
+    if (tid == 0) rec[0] = t_start, rec[1] = t_wait, rec[2] = t_staged, rec[3 + kGemvWarps] = t_data;
+    if (lane == 0) rec[3 + warp] = global_ns();
+  }
+}
+
 /// launch_read_link: the read probe's loop, with its first loads issued before the PDL wait.
 __global__ void __launch_bounds__(256) read_link_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
   pdl_trigger();
@@ -474,7 +613,8 @@ __device__ __forceinline__ bf16* kv_slot_ptr(const KvPool& kv, bf16* layer_base,
 template <int D>
 __device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, int kv_dim, const bf16* k_norm,
                                               float eps, const float2* rope, int pos, int blk, const KvPool& kv,
-                                              int layer, int h, int lane) {
+                                              int layer, int h, int lane, bf16* k_s = nullptr,
+                                              bf16* v_s = nullptr) {
   constexpr int E = D / 64;
   const int off = pos % kv.block_size;
   bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
@@ -486,9 +626,17 @@ __device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, i
   for (int e = 0; e < E; ++e) {
     kp[lane * E + e] = __float2bfloat16(lo[e]);
     kp[D / 2 + lane * E + e] = __float2bfloat16(hi[e]);
+    if (k_s != nullptr) {
+      k_s[lane * E + e] = __float2bfloat16(lo[e]);
+      k_s[D / 2 + lane * E + e] = __float2bfloat16(hi[e]);
+    }
   }
   const float* v = qkv_row + q_dim + kv_dim + h * D;
-  for (int d = lane; d < D; d += 32) vp[d] = __float2bfloat16(v[d]);
+  for (int d = lane; d < D; d += 32) {
+    const bf16 x = __float2bfloat16(__ldcg(v + d));
+    vp[d] = x;
+    if (v_s != nullptr) v_s[d] = x;
+  }
 }
 
 template <int D>
@@ -515,13 +663,16 @@ constexpr int kAttnWarps = 8;
 template <int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
-                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out) {
+                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out,
+                     unsigned long long* trace) {
+  const unsigned long long t_start = trace != nullptr ? global_ns() : 0;
   constexpr int E = D / 64;
   constexpr int DPL = D / 8;  // dims per lane
   constexpr int NV = DPL / 8; // uint4 loads per lane per token
   __shared__ float q_s[G][D];
   __shared__ float red_m[kAttnWarps][G], red_l[kAttnWarps][G];
   __shared__ float red_acc[kAttnWarps][G][D];
+  __shared__ __align__(16) bf16 k_new[D], v_new[D];  // decode: position pos's K/V as written to the cache
 
   pdl_trigger();
   const int kvh = blockIdx.x, r = blockIdx.y, split = blockIdx.z;
@@ -529,7 +680,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int sub = lane & 7, grp = lane >> 3;
   const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
   const bf16* vbase = kbase + kv.kv_stride();
-  constexpr int T = 2;  // tokens per lane group per iteration: their K/V loads are in flight together
+  // Tokens per lane group per iteration (their K/V loads are in flight together): 64 positions per
+  // block and iteration, the first iteration's loaded before the wait. (4, i.e. 128 positions before
+  // the wait, took 149 -> 204 registers for head_dim 128 and two query heads per kv head and measured
+  // slower: H200, 0.6B graph step 0.70 -> 0.73 ms.)
+  constexpr int T = 2;
   auto kv_offset = [&](int blk, int t) {
     return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
   };
@@ -567,6 +722,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
   }
   pdl_wait();
+  const unsigned long long t_wait = trace != nullptr ? global_ns() : 0;
 
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
   const float scale = rsqrtf(static_cast<float>(D));
@@ -581,10 +737,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         q_s[item][D / 2 + lane * E + e] = hi[e] * scale;
       }
     } else {
-      write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk_pos, kv, layer, kvh, lane);
+      write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk_pos, kv, layer, kvh, lane, k_new, v_new);
     }
   }
   __syncthreads();
+  const unsigned long long t_staged = trace != nullptr ? global_ns() : 0;
 
   float q[G][DPL];
 #pragma unroll
@@ -605,10 +762,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     for (int u = 0; u < T; ++u) {
       const int t = base + u * kAttnWarps * 4 + grp;
       valid[u] = t < end;
-      // The first iteration's earlier positions are in registers already; position pos was written
-      // above (visible after the barrier).
-      if (valid[u] && (base != begin + warp * 4 || !pre || t == pos)) {
-        const std::size_t o = kv_offset(t == pos ? blk_pos : table[t / kv.block_size], t);
+      // The first iteration's earlier positions are in registers already; position pos (decode) was
+      // written above, also to shared memory (visible after the barrier): no round trip to L2.
+      if (valid[u] && pre && t == pos) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
+        }
+      } else if (valid[u] && (base != begin + warp * 4 || !pre)) {
+        const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
@@ -698,6 +861,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       if (d == 0) mine[h] = mx, mine[G + h] = L;
     }
   }
+  if (trace != nullptr && tid == 0) {  // diagnostics (QWEN_RING_TRACE): entry, wait, q/k/v written, output
+    unsigned long long* rec =
+        trace + (std::size_t(blockIdx.z) * gridDim.y * gridDim.x + blockIdx.y * gridDim.x + blockIdx.x) * (kGemvWarps + 4);
+    rec[0] = t_start, rec[1] = t_wait, rec[2] = t_staged;
+    const unsigned long long t_end = global_ns();
+    for (int w = 0; w < kGemvWarps; ++w) rec[3 + w] = t_end;
+    rec[3 + kGemvWarps] = t_staged;
+  }
   if (part == nullptr) return;
   // The last chunk to arrive combines them all (release: fence, then count; acquire: count, fence).
   __shared__ int last;
@@ -733,6 +904,35 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 bool g_pdl = true;
 int g_gemv_loads = 4;  // U of the legacy GEMV: 16-byte loads in flight per row and lane (4 or 8)
 bool g_gemv_rowpipe = true;  // software-pipelined per-row GEMV (gemv_rowpipe_kernel), else gemv_kernel
+bool g_gemv_ring = false;    // per-warp shared-memory ring GEMV (gemv_ring_kernel) where it fits
+
+/// Ring GEMV timing trace (QWEN_RING_TRACE=1, diagnostics): per launch of a step, per block, the
+/// global timer at entry, after griddepcontrol.wait, after the x staging and at each warp's end.
+struct RingTrace {
+  static constexpr int kLaunches = 1024, kBlocks = 256, kPerBlock = kGemvWarps + 4;
+  unsigned long long* dev = nullptr;
+  int next = 0;
+  struct Launch { int N, K, mode, grid; };
+  std::vector<Launch> launches;
+  static bool enabled() {
+    static const bool on = [] {
+      const char* v = std::getenv("QWEN_RING_TRACE");
+      return v != nullptr && *v != '\0' && *v != '0';
+    }();
+    return on;
+  }
+  unsigned long long* slot(int N, int K, gemv_out mode, int grid) {
+    if (!enabled() || grid > kBlocks || next >= kLaunches) return nullptr;
+    if (dev == nullptr) {
+      const std::size_t bytes = std::size_t(kLaunches) * kBlocks * kPerBlock * sizeof(unsigned long long);
+      REPLAY_CHECK(cudaMalloc(&dev, bytes));
+      REPLAY_CHECK(cudaMemset(dev, 0, bytes));
+    }
+    launches.push_back({N, K, static_cast<int>(mode), grid});
+    return dev + std::size_t(next++) * kBlocks * kPerBlock;
+  }
+};
+RingTrace g_ring_trace;
 
 /// Launches `kernel` with the programmatic-stream-serialization attribute (PDL) when enabled: in a
 /// stream or a captured graph the kernel may start while its predecessor finishes; the kernels'
@@ -771,6 +971,31 @@ void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y
   }();
   const bool pre2 = pre_env == 2 || (pre_env != 1 && B <= 2 && (K + 256 * g_gemv_loads - 1) / (256 * g_gemv_loads) >= 3 &&
                                      std::size_t(N) * (MODE == gemv_out::silu_mul ? 2 : 1) * K * sizeof(bf16) >= (16u << 20));
+  if (g_gemv_ring) {
+    // Ring GEMV: one block per SM (at most one per row), slots per warp from the shared-memory
+    // budget left after x; a shape whose x leaves room for fewer than 2 slots, or unaligned
+    // weights, takes the pipelined GEMV below.
+    constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
+    const std::size_t xbytes = std::size_t(B) * K * sizeof(bf16);
+    const std::size_t slot_bytes = std::size_t(kGemvWarps) * R * kRingPiece * sizeof(bf16);
+    const int slots = xbytes >= kRingSmemBudget ? 0 : static_cast<int>((kRingSmemBudget - xbytes) / slot_bytes);
+    // By default only where every warp's share fits its ring (all of it loaded before the wait: the
+    // 0.6B shape's layer matrices); streaming through the ring measured slower than the pipelined
+    // GEMV (H200, 4B graph step 2.63 -> 3.76 ms). QWEN_RING=all uses it for every matrix.
+    static const bool ring_all = [] {
+      const char* v = std::getenv("QWEN_RING");
+      return v != nullptr && std::string_view(v) == "all";
+    }();
+    const int ns = slots < kRingMaxSlots ? slots : kRingMaxSlots;
+    const int grid = N < num_sms ? N : num_sms;
+    const int rows_per_block = (N + grid - 1) / grid;
+    const int items_per_warp = (rows_per_block + kGemvWarps - 1) / kGemvWarps * ((K + kRingPiece - 1) / kRingPiece);
+    if (slots >= 2 && reinterpret_cast<std::uintptr_t>(W) % 16 == 0 && (ring_all || items_per_warp <= ns)) {
+      launch(gemv_ring_kernel<B, MODE, NORM>, grid, kGemvThreads, xbytes + ns * slot_bytes, s,
+             "qwen::gemv_ring_kernel", W, N, K, in, y_f32, y_bf16, ldy, keys, ns, g_ring_trace.slot(N, K, MODE, grid));
+      return;
+    }
+  }
   auto kernel = g_gemv_rowpipe
                     ? (g_gemv_loads == 8 ? (pre2 ? gemv_rowpipe_kernel<B, MODE, NORM, 8, 2> : gemv_rowpipe_kernel<B, MODE, NORM, 8, 1>)
                                          : (pre2 ? gemv_rowpipe_kernel<B, MODE, NORM, 4, 2> : gemv_rowpipe_kernel<B, MODE, NORM, 4, 1>))
@@ -847,6 +1072,10 @@ void init_gemv_attrs_u() {
 }
 template <int B>
 void init_gemv_attrs() {
+  set_max_smem(gemv_ring_kernel<B, gemv_out::store_f32, true>);
+  set_max_smem(gemv_ring_kernel<B, gemv_out::silu_mul, true>);
+  set_max_smem(gemv_ring_kernel<B, gemv_out::argmax, true>);
+  set_max_smem(gemv_ring_kernel<B, gemv_out::add_f32, false>);
   init_gemv_attrs_u<B, 4>();
   init_gemv_attrs_u<B, 8>();
 }
@@ -884,17 +1113,80 @@ void set_gemv_loads(int u) {
 int gemv_loads() { return g_gemv_loads; }
 void set_gemv_rowpipe(bool on) { g_gemv_rowpipe = on; }
 bool gemv_rowpipe() { return g_gemv_rowpipe; }
+void set_gemv_ring(bool on) { g_gemv_ring = on; }
+bool gemv_ring() { return g_gemv_ring; }
+
+void ring_trace_begin_step() {
+  g_ring_trace.next = 0;
+  g_ring_trace.launches.clear();
+}
+
+std::string ring_trace_summary(replay::stream_ref s) {
+  auto& tr = g_ring_trace;
+  if (!RingTrace::enabled() || tr.dev == nullptr || tr.launches.empty()) return {};
+  REPLAY_CHECK(cudaStreamSynchronize(s.get()));
+  const int L = static_cast<int>(tr.launches.size());
+  std::vector<unsigned long long> h(std::size_t(L) * RingTrace::kBlocks * RingTrace::kPerBlock);
+  REPLAY_CHECK(cudaMemcpy(h.data(), tr.dev, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+  struct Agg { double n = 0, lead = 0, gap = 0, spread = 0, stage = 0, compute = 0, warp_spread = 0, total = 0, data = 0; };
+  std::map<std::tuple<int, int, int>, Agg> agg;
+  double prev_end = 0;
+  const double t0 = [&] {
+    unsigned long long m = ~0ull;
+    for (int b = 0; b < tr.launches[0].grid; ++b)
+      if (h[std::size_t(b) * RingTrace::kPerBlock + 1] != 0) m = std::min(m, h[std::size_t(b) * RingTrace::kPerBlock + 1]);
+    return double(m);
+  }();
+  for (int i = 0; i < L; ++i) {
+    const auto& ln = tr.launches[i];
+    const unsigned long long* r = h.data() + std::size_t(i) * RingTrace::kBlocks * RingTrace::kPerBlock;
+    double s_max = 0, w_min = 1e300, w_max = 0, x_max = 0, e_max = 0, e_min = 1e300, ws = 0, d_max = 0;
+    for (int b = 0; b < ln.grid; ++b) {
+      const unsigned long long* q = r + std::size_t(b) * RingTrace::kPerBlock;
+      if (q[1] == 0) continue;  // an attention block with no positions (exited before the wait)
+      s_max = std::max(s_max, double(q[0]) - t0);
+      w_min = std::min(w_min, double(q[1]) - t0);
+      w_max = std::max(w_max, double(q[1]) - t0);
+      x_max = std::max(x_max, double(q[2]) - t0);
+      if (q[3 + kGemvWarps] != 0) d_max = std::max(d_max, double(q[3 + kGemvWarps]) - double(q[2]));
+      double bmin = 1e300, bmax = 0;
+      for (int w = 0; w < kGemvWarps; ++w) {
+        const double e = double(q[3 + w]) - t0;
+        bmin = std::min(bmin, e), bmax = std::max(bmax, e);
+      }
+      e_max = std::max(e_max, bmax), e_min = std::min(e_min, bmax);
+      ws = std::max(ws, bmax - bmin);
+    }
+    auto& a = agg[{ln.N, ln.K, ln.mode}];
+    a.n += 1;
+    a.lead += w_min - s_max;
+    a.gap += i > 0 ? w_min - prev_end : 0;
+    a.spread += w_max - w_min;
+    a.stage += x_max - w_max;
+    a.compute += e_max - x_max;
+    a.warp_spread += ws;
+    a.data += d_max;
+    a.total += i > 0 ? e_max - prev_end : e_max;
+    prev_end = e_max;
+  }
+  std::string out = fmt::format(
+      "ring trace, last step ({} ring launches, {:.1f} us from the first wait to the last end; ns, mean per launch):\n"
+      "| N | K | mode | launches | all resident before wait | prev end -> first wait | wait spread | x staged | "
+      "staged -> last warp end | warp end spread (max per block) | warp 0 staged -> its last data (max) | per launch |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+      L, prev_end / 1e3);
+  for (const auto& [k, a] : agg)
+    out += fmt::format("| {} | {} | {} | {} | {:.0f} | {:.0f} | {:.0f} | {:.0f} | {:.0f} | {:.0f} | {:.0f} | {:.0f} |\n",
+                       std::get<0>(k) < 0 ? std::string("attention") : std::to_string(std::get<0>(k)), std::get<1>(k),
+                       std::get<2>(k), a.n, a.lead / a.n, a.gap / a.n, a.spread / a.n, a.stage / a.n, a.compute / a.n,
+                       a.warp_spread / a.n, a.data / a.n, a.total / a.n);
+  return out;
+}
 
 void init_kernel_attributes() {
   set_carveout(embed_kernel);
-  set_carveout(attention_kernel<128, 1>);
-  set_carveout(attention_kernel<128, 2>);
-  set_carveout(attention_kernel<128, 4>);
-  set_carveout(attention_kernel<128, 8>);
-  set_carveout(attention_kernel<64, 1>);
-  set_carveout(attention_kernel<64, 2>);
-  set_carveout(attention_kernel<64, 4>);
-  set_carveout(attention_kernel<64, 8>);
+  for (int d : {64, 128})
+    for (int g : {1, 2, 4, 8}) with_attention_kernel(d, g, [](auto kernel) { set_carveout(kernel); });
   init_gemv_attrs<1>();
   init_gemv_attrs<2>();
   init_gemv_attrs<3>();
@@ -1021,7 +1313,8 @@ void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const b
   const int wk = write_kv ? 1 : 0;
   with_attention_kernel(D, q_heads / kv.kv_heads, [&](auto kernel) {
     launch(kernel, grid, kAttnWarps * 32, 0, s.get(), "qwen::attention_kernel", qkv, q_dim, kv_dim, q_norm, k_norm,
-           eps, rope, meta, kv, layer, wk, sp, out);
+           eps, rope, meta, kv, layer, wk, sp, out,
+           write_kv ? g_ring_trace.slot(-1, D, gemv_out::store_f32, static_cast<int>(grid.x * grid.y * grid.z)) : nullptr);
   });
 }
 

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 namespace qwen {
 
@@ -91,6 +92,18 @@ int gemv_loads();
 /// set_gemv_loads 16-byte loads per lane and chunk. Process-wide; set before capturing graphs.
 void set_gemv_rowpipe(bool on);
 bool gemv_rowpipe();
+/// Per-warp shared-memory ring GEMV (default off): one block per SM owning a contiguous share of the
+/// rows, each warp streaming its rows through its own ring of bulk-copied slots, the ring filled
+/// before waiting for the previous kernel; a block takes under half an SM's shared memory, so the
+/// next kernel's block fits beside it and loads while this one runs. Shapes it does not fit (x too
+/// large for 2 slots per warp) use the kernels chosen above. Process-wide; set before capturing.
+void set_gemv_ring(bool on);
+bool gemv_ring();
+/// Diagnostics (QWEN_RING_TRACE=1): the ring GEMV records global-timer stamps per block; a decode
+/// step starts numbering its launches afresh (call before its first launch), and the summary gives,
+/// per matrix shape, the mean handoff, x staging and compute times of the last step run.
+void ring_trace_begin_step();
+std::string ring_trace_summary(replay::stream_ref s);
 
 /// Deterministic uniform(-scale, scale) fill from (seed, index): the random initialisation.
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s);

@@ -250,8 +250,9 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of random weights and prompts");
   app.add_flag("--no-pdl", no_pdl, "launch kernels without programmatic dependent launch (for comparison)");
   app.add_option("--kernels", kernels_s,
-                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default, rowpipe): "
-                 "rowpipe (one GEMV kernel per matrix, software-pipelined loads), rowpipe8 (8 loads in flight), legacy (one "
+                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default, ring): "
+                 "rowpipe (one GEMV kernel per matrix, software-pipelined loads), rowpipe8 (8 loads in flight), ring (one GEMV kernel per matrix, one block per SM, "
+                 "per-warp shared-memory rings filled before the previous kernel ends), legacy (one "
                  "GEMV kernel per matrix, one warp per row), legacy8 (8 loads in flight), step (streaming "
                  "kernel, one launch per step), layer, phase");
   app.add_option("--stream-tile-kb", stream_tile_kb,
@@ -457,6 +458,7 @@ int main(int argc, char** argv) {
                                      {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
                                      {"pct_d2d", 100.0 * wbytes / tpot / bw}};
       }
+      if (const std::string tr = ring_trace_summary(eng.stream()); !tr.empty()) fmt::print("{}", tr);
       out["bench"]["d2d_GBps"] = bw / 1e9;
       out["bench"]["read_GBps"] = rbw / 1e9;
       if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;

@@ -453,7 +453,10 @@ struct Engine::Impl {
               V = cfg.vocab_size;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     set_gemv_loads(opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8 ? 8 : 4);
-    set_gemv_rowpipe(opt.kernels == decode_kernels::rowpipe || opt.kernels == decode_kernels::rowpipe_u8);
+    set_gemv_rowpipe(opt.kernels == decode_kernels::rowpipe || opt.kernels == decode_kernels::rowpipe_u8 ||
+                     opt.kernels == decode_kernels::ring);
+    set_gemv_ring(opt.kernels == decode_kernels::ring);
+    ring_trace_begin_step();
     if (auto it = programs.find(rows); it != programs.end()) {
       for (const auto& Lc : it->second.launches)
         launch_stream(Lc, rows, cfg.head_dim, cfg.group_size(), it->second.geo, s);

@@ -18,6 +18,7 @@ namespace qwen {
 enum class decode_kernels {
   rowpipe,       ///< one fused GEMV kernel per matrix, one warp per row, next chunk loaded while computing (kernels.cu)
   rowpipe_u8,    ///< the same with 8 loads in flight per lane
+  ring,          ///< one fused GEMV kernel per matrix, one block per SM, per-warp shared-memory rings (kernels.cu)
   legacy,        ///< one fused GEMV kernel per matrix, one warp per row, 4 weight loads in flight (kernels.cu)
   legacy_u8,     ///< the same with 8 loads in flight per row
   stream_phase,  ///< streaming kernel (stream.cuh), one launch per phase (embed, QKV, attention, ...)
@@ -29,6 +30,7 @@ inline const char* decode_kernels_name(decode_kernels k) {
   switch (k) {
     case decode_kernels::rowpipe: return "rowpipe";
     case decode_kernels::rowpipe_u8: return "rowpipe8";
+    case decode_kernels::ring: return "ring";
     case decode_kernels::legacy: return "legacy";
     case decode_kernels::legacy_u8: return "legacy8";
     case decode_kernels::stream_phase: return "phase";
@@ -38,12 +40,12 @@ inline const char* decode_kernels_name(decode_kernels k) {
   return "?";
 }
 
-/// Parses rowpipe, rowpipe8, legacy, legacy8, phase, layer or step; throws input_error otherwise.
+/// Parses rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer or step; throws input_error otherwise.
 inline decode_kernels parse_decode_kernels(const std::string& s) {
-  for (auto k : {decode_kernels::rowpipe, decode_kernels::rowpipe_u8, decode_kernels::legacy, decode_kernels::legacy_u8, decode_kernels::stream_phase,
+  for (auto k : {decode_kernels::rowpipe, decode_kernels::rowpipe_u8, decode_kernels::ring, decode_kernels::legacy, decode_kernels::legacy_u8, decode_kernels::stream_phase,
                  decode_kernels::stream_layer, decode_kernels::stream_step})
     if (s == decode_kernels_name(k)) return k;
-  throw input_error("unknown decode kernels '" + s + "' (known: rowpipe, rowpipe8, legacy, legacy8, phase, layer, step)");
+  throw input_error("unknown decode kernels '" + s + "' (known: rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer, step)");
 }
 
 /// Run-time sizes of the engine (everything is allocated once from these).
@@ -57,7 +59,7 @@ struct EngineOptions {
   int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
-  decode_kernels kernels = decode_kernels::rowpipe;  ///< decode kernels of buckets 1..4
+  decode_kernels kernels = decode_kernels::ring;     ///< decode kernels of buckets 1..4
   int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
   int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
   bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
