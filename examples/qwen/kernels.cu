@@ -660,8 +660,8 @@ constexpr int kAttnWarps = 8;
 /// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
 /// block writes the output itself; otherwise each block stores its partial softmax state and the
 /// last block to finish (a counter per (row, kv head)) combines the chunks and writes the output.
-template <int D, int G>
-__global__ void __launch_bounds__(kAttnWarps * 32)
+template <int D, int G, int MINB>
+__global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
                      const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out,
                      unsigned long long* trace) {
@@ -990,6 +990,9 @@ void gemv_instance(const bf16* W, int N, int K, GemvIn in, float* y_f32, bf16* y
     const int grid = N < num_sms ? N : num_sms;
     const int rows_per_block = (N + grid - 1) / grid;
     const int items_per_warp = (rows_per_block + kGemvWarps - 1) / kGemvWarps * ((K + kRingPiece - 1) / kRingPiece);
+    // The rings take the whole budget even where a warp's share needs fewer slots: sized to the
+    // share, the blocks let more later kernels' blocks onto the SMs, whose prefetches then compete
+    // with the critical path (H200, 0.6B graph step 0.70 -> 0.79 ms).
     if (slots >= 2 && reinterpret_cast<std::uintptr_t>(W) % 16 == 0 && (ring_all || items_per_warp <= ns)) {
       launch(gemv_ring_kernel<B, MODE, NORM>, grid, kGemvThreads, xbytes + ns * slot_bytes, s,
              "qwen::gemv_ring_kernel", W, N, K, in, y_f32, y_bf16, ldy, keys, ns, g_ring_trace.slot(N, K, MODE, grid));
@@ -1081,13 +1084,25 @@ void init_gemv_attrs() {
 }
 
 /// Calls f(attention_kernel<head_dim, G>): the one place that maps the runtime shape to an instance.
+/// Attention for 1-2 query heads per kv head compiled for two blocks per SM (at most 128 registers
+/// per thread instead of 154 for head_dim 128, no spills), so that it leaves room for the next
+/// GEMVs' blocks: H200, 0.6B graph step 0.709-0.716 -> 0.697-0.700 ms (QWEN_ATTN_REGS=free: no cap,
+/// for comparison). With more query heads per kv head a cap would spill (254 registers at 4).
+bool attention_reg_cap() {
+  static const bool cap = [] {
+    const char* v = std::getenv("QWEN_ATTN_REGS");
+    return v == nullptr || std::string_view(v) != "free";
+  }();
+  return cap;
+}
 template <int D, class F>
 auto with_attention_kernel_d(int G, F&& f) {
+  const bool cap = attention_reg_cap();
   switch (G) {
-    case 1: return f(attention_kernel<D, 1>);
-    case 2: return f(attention_kernel<D, 2>);
-    case 4: return f(attention_kernel<D, 4>);
-    case 8: return f(attention_kernel<D, 8>);
+    case 1: return cap ? f(attention_kernel<D, 1, 2>) : f(attention_kernel<D, 1, 1>);
+    case 2: return cap ? f(attention_kernel<D, 2, 2>) : f(attention_kernel<D, 2, 1>);
+    case 4: return f(attention_kernel<D, 4, 1>);
+    case 8: return f(attention_kernel<D, 8, 1>);
     default: throw replay::usage_error("qwen attention: query heads per kv head must be 1, 2, 4 or 8");
   }
 }
