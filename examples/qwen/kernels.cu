@@ -620,6 +620,10 @@ __device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, i
   bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
   bf16* kp = kv_slot_ptr(kv, kbase, blk, h, off);
   bf16* vp = kv_slot_ptr(kv, kbase + kv.kv_stride(), blk, h, off);
+  const float* v = qkv_row + q_dim + kv_dim + h * D;
+  float vv[D / 32];  // V loaded together with K (one round trip)
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) vv[i] = __ldcg(v + lane + 32 * i);
   float lo[E], hi[E];
   norm_rope_head<D>(qkv_row + q_dim + h * D, k_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
 #pragma unroll
@@ -631,11 +635,11 @@ __device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, i
       k_s[D / 2 + lane * E + e] = __float2bfloat16(hi[e]);
     }
   }
-  const float* v = qkv_row + q_dim + kv_dim + h * D;
-  for (int d = lane; d < D; d += 32) {
-    const bf16 x = __float2bfloat16(__ldcg(v + d));
-    vp[d] = x;
-    if (v_s != nullptr) v_s[d] = x;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const bf16 x = __float2bfloat16(vv[i]);
+    vp[lane + 32 * i] = x;
+    if (v_s != nullptr) v_s[lane + 32 * i] = x;
   }
 }
 
@@ -695,6 +699,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   // this one writes the chunk's K/V, so everything is read after the wait.
   const bool pre = write_kv != 0;
   const int pos = meta.pos[r];
+  const int row_slot = meta.slot[r];  // loaded with pos (the block table row depends on it)
   const int seq_len = pos + 1;
   // This block's positions [begin, end): chunk `split` of the context.
   int chunk = seq_len, chunks = 1;
@@ -706,7 +711,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   if (split >= chunks) return;  // a short context needs fewer blocks than the grid has
   const int begin = split * chunk, end = min(seq_len, begin + chunk);
   const bool owns_pos = end == seq_len;  // the last chunk holds position pos
-  const std::int32_t* table = meta.block_table + std::size_t(meta.slot[r]) * meta.table_width;
+  const std::int32_t* table = meta.block_table + std::size_t(row_slot) * meta.table_width;
   const int blk_pos = table[pos / kv.block_size];
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
@@ -809,6 +814,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
       }
     }
   }
+  const unsigned long long t_loop = trace != nullptr ? global_ns() : 0;
   // Combine the 4 lane groups of the warp.
 #pragma unroll
   for (int o = 8; o <= 16; o <<= 1) {
@@ -837,6 +843,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     }
   }
   __syncthreads();
+  const unsigned long long t_comb = trace != nullptr ? global_ns() : 0;
   // Split-KV: this chunk's state (max, sum, unnormalised output per query head) goes to
   // sp.partial[row][kv head][split] = {m[G], l[G], acc[G][D]}.
   constexpr int P = G * (D + 2);
@@ -865,9 +872,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     unsigned long long* rec =
         trace + (std::size_t(blockIdx.z) * gridDim.y * gridDim.x + blockIdx.y * gridDim.x + blockIdx.x) * (kGemvWarps + 4);
     rec[0] = t_start, rec[1] = t_wait, rec[2] = t_staged;
+    // Attention's records: [3] after the cross-warp combine's barrier, [4..] the end, and in the
+    // "last data" column's place the end of warp 0's position loop.
     const unsigned long long t_end = global_ns();
-    for (int w = 0; w < kGemvWarps; ++w) rec[3 + w] = t_end;
-    rec[3 + kGemvWarps] = t_staged;
+    rec[3] = t_comb;
+    for (int w = 1; w < kGemvWarps; ++w) rec[3 + w] = t_end;
+    rec[3 + kGemvWarps] = t_loop;
   }
   if (part == nullptr) return;
   // The last chunk to arrive combines them all (release: fence, then count; acquire: count, fence).
