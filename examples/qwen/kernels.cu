@@ -726,6 +726,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
       }
     }
   }
+  // Diagnostics: when this thread's K/V prefetch was issued (its address chain: pos/slot, table).
+  unsigned long long t_issue = 0;
+  if (trace != nullptr) {
+    asm volatile("" ::: "memory");
+    t_issue = global_ns();
+  }
   pdl_wait();
   const unsigned long long t_wait = trace != nullptr ? global_ns() : 0;
 
@@ -872,11 +878,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     unsigned long long* rec =
         trace + (std::size_t(blockIdx.z) * gridDim.y * gridDim.x + blockIdx.y * gridDim.x + blockIdx.x) * (kGemvWarps + 4);
     rec[0] = t_start, rec[1] = t_wait, rec[2] = t_staged;
-    // Attention's records: [3] after the cross-warp combine's barrier, [4..] the end, and in the
-    // "last data" column's place the end of warp 0's position loop.
+    // Attention's records: [3] after the cross-warp combine's barrier, [4..9] the end, [10] when
+    // the K/V prefetch was issued, and in the "last data" column's place the end of warp 0's
+    // position loop.
     const unsigned long long t_end = global_ns();
     rec[3] = t_comb;
-    for (int w = 1; w < kGemvWarps; ++w) rec[3 + w] = t_end;
+    for (int w = 1; w < kGemvWarps - 1; ++w) rec[3 + w] = t_end;
+    rec[2 + kGemvWarps] = t_issue;
     rec[3 + kGemvWarps] = t_loop;
   }
   if (part == nullptr) return;
@@ -1175,7 +1183,7 @@ std::string ring_trace_summary(replay::stream_ref s) {
       x_max = std::max(x_max, double(q[2]) - t0);
       if (q[3 + kGemvWarps] != 0) d_max = std::max(d_max, double(q[3 + kGemvWarps]) - double(q[2]));
       double bmin = 1e300, bmax = 0;
-      for (int w = 0; w < kGemvWarps; ++w) {
+      for (int w = 0; w < (ln.N < 0 ? kGemvWarps - 1 : kGemvWarps); ++w) {  // attention: [10] is t_issue
         const double e = double(q[3 + w]) - t0;
         bmin = std::min(bmin, e), bmax = std::max(bmax, e);
       }
@@ -1194,7 +1202,22 @@ std::string ring_trace_summary(replay::stream_ref s) {
     a.total += i > 0 ? e_max - prev_end : e_max;
     prev_end = e_max;
   }
-  std::string out = fmt::format(
+  double chain = 0, chain_n = 0;
+  for (int i = 0; i < L; ++i) {
+    if (tr.launches[i].N >= 0) continue;
+    const unsigned long long* r = h.data() + std::size_t(i) * RingTrace::kBlocks * RingTrace::kPerBlock;
+    double m = 0;
+    for (int b = 0; b < tr.launches[i].grid; ++b) {
+      const unsigned long long* q = r + std::size_t(b) * RingTrace::kPerBlock;
+      if (q[1] != 0) m = std::max(m, double(q[2 + kGemvWarps]) - double(q[0]));
+    }
+    chain += m, chain_n += 1;
+  }
+  std::string out = chain_n > 0 ? fmt::format("attention: entry -> K/V prefetch issued {:.0f} ns (max over blocks, mean over launches); "
+                                              "its columns: x staged = q/K/V written, last data = position loop, "
+                                              "end spread = output\n", chain / chain_n)
+                                : std::string();
+  out += fmt::format(
       "ring trace, last step ({} ring launches, {:.1f} us from the first wait to the last end; ns, mean per launch):\n"
       "| N | K | mode | launches | all resident before wait | prev end -> first wait | wait spread | x staged | "
       "staged -> last warp end | warp end spread (max per block) | warp 0 staged -> its last data (max) | per launch |\n"
