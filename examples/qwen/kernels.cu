@@ -708,7 +708,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     chunk = max(sp.min_chunk, (even + 63) / 64 * 64);
     chunks = (seq_len + chunk - 1) / chunk;
   }
-  if (split >= chunks) return;  // a short context needs fewer blocks than the grid has
+  if (split >= chunks) {  // a short context needs fewer blocks than the grid has
+    if (trace != nullptr && threadIdx.x == 0)  // diagnostics: no record for this block this step
+      trace[(std::size_t(blockIdx.z) * gridDim.y * gridDim.x + blockIdx.y * gridDim.x + blockIdx.x) * (kGemvWarps + 4) + 1] = 0;
+    return;
+  }
   const int begin = split * chunk, end = min(seq_len, begin + chunk);
   const bool owns_pos = end == seq_len;  // the last chunk holds position pos
   const std::int32_t* table = meta.block_table + std::size_t(row_slot) * meta.table_width;
@@ -1173,7 +1177,7 @@ std::string ring_trace_summary(replay::stream_ref s) {
   for (int i = 0; i < L; ++i) {
     const auto& ln = tr.launches[i];
     const unsigned long long* r = h.data() + std::size_t(i) * RingTrace::kBlocks * RingTrace::kPerBlock;
-    double s_max = 0, w_min = 1e300, w_max = 0, x_max = 0, e_max = 0, e_min = 1e300, ws = 0, d_max = 0;
+    double s_max = 0, w_min = 1e300, w_max = 0, x_max = 0, e_max = 0, ws = 0, d_max = 0;
     for (int b = 0; b < ln.grid; ++b) {
       const unsigned long long* q = r + std::size_t(b) * RingTrace::kPerBlock;
       if (q[1] == 0) continue;  // an attention block with no positions (exited before the wait)
@@ -1187,7 +1191,7 @@ std::string ring_trace_summary(replay::stream_ref s) {
         const double e = double(q[3 + w]) - t0;
         bmin = std::min(bmin, e), bmax = std::max(bmax, e);
       }
-      e_max = std::max(e_max, bmax), e_min = std::min(e_min, bmax);
+      e_max = std::max(e_max, bmax);
       ws = std::max(ws, bmax - bmin);
     }
     auto& a = agg[{ln.N, ln.K, ln.mode}];
