@@ -51,7 +51,8 @@ for s in $stages; do
   case $s in
     test)
       run "$bin/qwen_host"
-      run timeout 300 "$bin/qwen_gpu" ;;
+      run timeout 300 "$bin/qwen_gpu"
+      QWEN_RING=all run timeout 120 "$bin/qwen_gpu" -tc="the ring*" ;;  # rings that wrap and refill
     memcheck)
       run timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu"
       run timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 "$q" --preset tiny --demo --mode both --quiet ;;

@@ -208,6 +208,17 @@ __device__ __forceinline__ void gemv_finish_row(float (&acc)[R][B], int n, int l
     for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
 }
 
+/// A GEMV warp's state before its first row: accumulators zero, no argmax candidate yet.
+template <int B, int R>
+__device__ __forceinline__ void gemv_warp_init(float (&acc)[R][B], float (&best_v)[B], int (&best_i)[B]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+#pragma unroll
+  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+}
+
 /// argmax epilogue of a GEMV block: each warp's best (value, row) per batch row, then one atomicMax of
 /// the block's best key per batch row. Every thread of the block calls it.
 template <int B>
@@ -328,14 +339,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* 
   };
 
   float acc[R][B];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
   float best_v[B];
   int best_i[B];
-#pragma unroll
-  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+  gemv_warp_init<B, R>(acc, best_v, best_i);
 
   auto compute = [&](const Regs& w, int row, int base) {
     gemv_fma_chunk<B, R, U>(w, xs, K, base + lane * 8, acc);
@@ -462,14 +468,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
   const unsigned long long t_staged = trace != nullptr ? global_ns() : 0;
 
   float acc[R][B];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
   float best_v[B];
   int best_i[B];
-#pragma unroll
-  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+  gemv_warp_init<B, R>(acc, best_v, best_i);
 
   int s = 0, n = rb + warp, p = 0;
   unsigned parity = 0;

@@ -176,30 +176,28 @@ void cross_check(const Config& cfg) {
 
 TEST_CASE("the streaming kernels compute what the per-matrix kernels compute") { cross_check(preset("tiny")); }
 
-/// A small shape with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention).
-Config tiny_hd128_g4() {
+/// The tiny preset with other sizes (vocab, hidden, intermediate, layers, heads, kv heads, head_dim).
+Config tiny_shape(const char* name, int vocab, int hidden, int inter, int layers, int heads, int kv_heads,
+                  int head_dim) {
   Config c = preset("tiny");
-  c.name = "tiny_hd128_g4";
-  c.vocab_size = 4096, c.hidden_size = 512, c.intermediate_size = 1024, c.num_hidden_layers = 3;
-  c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 128;
+  c.name = name;
+  c.vocab_size = vocab, c.hidden_size = hidden, c.intermediate_size = inter, c.num_hidden_layers = layers;
+  c.num_attention_heads = heads, c.num_key_value_heads = kv_heads, c.head_dim = head_dim;
   c.validate();
   return c;
 }
+
+/// A small shape with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention).
+Config tiny_hd128_g4() { return tiny_shape("tiny_hd128_g4", 4096, 512, 1024, 3, 8, 2, 128); }
 
 TEST_CASE("... also with head_dim 128 and 4 query heads per kv head (16 lanes per token in attention)") {
   cross_check(tiny_hd128_g4());
 }
 
-/// Rows of several 1024-wide pieces with a partial last one (K = 1280, 2304), so the ring GEMV's
-/// per-warp rings wrap and refill within a row.
-Config tiny_wide() {
-  Config c = preset("tiny");
-  c.name = "tiny_wide";
-  c.vocab_size = 4096, c.hidden_size = 1280, c.intermediate_size = 2304, c.num_hidden_layers = 2;
-  c.num_attention_heads = 8, c.num_key_value_heads = 4, c.head_dim = 128;
-  c.validate();
-  return c;
-}
+/// Rows of several 1024-wide pieces with a partial last one (K = 1280, 2304): a row spans several
+/// ring slots (with QWEN_RING=all, which also puts the matrices that do not fit through the rings,
+/// the rings wrap and refill; scripts/gpu-qwen.sh runs this test that way too).
+Config tiny_wide() { return tiny_shape("tiny_wide", 4096, 1280, 2304, 2, 8, 4, 128); }
 
 TEST_CASE("the ring GEMV gives logits bit-identical to the pipelined GEMV (same summation order)") {
   for (const Config& cfg : {preset("tiny"), tiny_hd128_g4(), tiny_wide()}) {
