@@ -1152,7 +1152,6 @@ int gemv_loads() { return g_gemv_loads; }
 void set_gemv_rowpipe(bool on) { g_gemv_rowpipe = on; }
 bool gemv_rowpipe() { return g_gemv_rowpipe; }
 void set_gemv_ring(bool on) { g_gemv_ring = on; }
-bool gemv_ring() { return g_gemv_ring; }
 
 void ring_trace_begin_step() {
   g_ring_trace.next = 0;

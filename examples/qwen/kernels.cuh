@@ -98,7 +98,6 @@ bool gemv_rowpipe();
 /// next kernel's block fits beside it and loads while this one runs. Shapes it does not fit (x too
 /// large for 2 slots per warp) use the kernels chosen above. Process-wide; set before capturing.
 void set_gemv_ring(bool on);
-bool gemv_ring();
 /// Diagnostics (QWEN_RING_TRACE=1): the ring GEMV records global-timer stamps per block; a decode
 /// step starts numbering its launches afresh (call before its first launch), and the summary gives,
 /// per matrix shape, the mean handoff, x staging and compute times of the last step run.
