@@ -2,8 +2,9 @@
 # Final check of the qwen example on the GPU machine (see scripts/gpu-qwen.sh for the stages):
 #   source .deps/tools/env.sh && BIN_DIR=dir bash scripts/gpu-qwen-final.sh [main] [sanitize]
 # main:     tests (every decode-kernel variant), parity, demo, bench, long context, split-KV A/B;
-# sanitize: memcheck of the GPU test (ring, rowpipe and per-row kernels) and the demo; racecheck of
-#           the CLI and of the GPU test's first and split-KV cases with the default kernels (shared memory).
+# sanitize: memcheck of the GPU test (ring, rowpipe, per-row and persistent kernels) and the demo;
+#           racecheck of the CLI (default and persistent kernels) and of the GPU test's first case
+#           with the default kernels (shared memory).
 # Both parts by default (one part fits one 10-minute device call). Everything lands in
 # $OUT/final-<part>.tgz plus short summaries on stdout.
 set -uo pipefail
@@ -20,14 +21,17 @@ for part in $parts; do
         "$out/main/qwen.log" | head -150
       tar czf "$out/final-main.tgz" -C "$out" main && rm -rf "$out/main" ;;
     sanitize)
-      OUT="$out/mem" QWEN_TEST_KERNELS=ring,rowpipe,legacy bash scripts/gpu-qwen.sh memcheck >/dev/null 2>&1
+      OUT="$out/mem" QWEN_TEST_KERNELS=ring,rowpipe,legacy,mega bash scripts/gpu-qwen.sh memcheck >/dev/null 2>&1
       # The ring GEMV (default) and attention under racecheck: the CLI (tiny shape, 3 rows, eager and
-      # graph), then GPU test cases (their prefill GEMMs run through cuBLAS, which racecheck reports
-      # on inside its own kernels; the split-KV case outlasts the limit).
+      # graph), then a GPU test case (its prefill GEMMs run through cuBLAS, which racecheck reports
+      # on inside its own kernels; the split-KV case outlasted 200 s under racecheck in every run).
       timeout 120 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
         --random-prompt 12 --gen 6 --batch 3 --mode both >>"$out/racecheck.log" 2>&1
       echo "racecheck (CLI) exit $?" >>"$out/racecheck.log"
-      for tc in "eager and graph*" "split-KV*"; do
+      timeout 120 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
+        --random-prompt 12 --gen 6 --batch 1 --mode both --kernels mega >>"$out/racecheck.log" 2>&1
+      echo "racecheck (CLI, persistent kernel) exit $?" >>"$out/racecheck.log"
+      for tc in "eager and graph*"; do
         QWEN_TEST_KERNELS=ring timeout 200 compute-sanitizer --tool racecheck --racecheck-report analysis \
           "$bin/qwen_gpu" -tc="$tc" >>"$out/racecheck.log" 2>&1
         echo "racecheck ($tc) exit $?" >>"$out/racecheck.log"

@@ -54,7 +54,7 @@ for s in $stages; do
       run timeout 300 "$bin/qwen_gpu"
       QWEN_RING=all run timeout 120 "$bin/qwen_gpu" -tc="the ring*" ;;  # rings that wrap and refill
     memcheck)
-      run timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu"
+      run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu"
       run timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 "$q" --preset tiny --demo --mode both --quiet ;;
     parity)
       PYTHONUNBUFFERED=1 run timeout 200 python3 examples/qwen/parity.py --bin "$q" --out "$out/parity.json" ;;

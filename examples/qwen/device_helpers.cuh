@@ -77,39 +77,55 @@ __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-/// Per-head RMSNorm then rotate-half RoPE of one head (D values at x), done by one warp. Lane owns
-/// dims lane*E+e (first half) and D/2+lane*E+e (second half), so RoPE pairs stay in the lane.
+/// Per-head RMSNorm then rotate-half RoPE of one head (D values), done by one warp. Lane owns dims
+/// lane*E+e (first half) and D/2+lane*E+e (second half), so RoPE pairs stay in the lane. The
+/// parameters (norm weights, RoPE row) are loaded first, the head's values next, then `apply`.
+template <int D>
+struct HeadNormRope {
+  static constexpr int E = D / 64;
+  float wl[E], wh[E];
+  float2 cs[E];
+  __device__ __forceinline__ void load(const bf16* w, const float2* rope_row, int lane) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane * E + e;
+      wl[e] = __bfloat162float(w[d]);
+      wh[e] = __bfloat162float(w[D / 2 + d]);
+      cs[e] = rope_row[d];
+    }
+  }
+  /// lo/hi: the lane's values of the head in, normalised and rotated out.
+  __device__ __forceinline__ void apply(float eps, float* lo, float* hi) const {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss += lo[e] * lo[e] + hi[e] * hi[e];
+    ss = warp_sum(ss);
+    const float rs = rsqrtf(ss / D + eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float a = lo[e] * rs * wl[e];
+      const float b = hi[e] * rs * wh[e];
+      lo[e] = a * cs[e].x - b * cs[e].y;
+      hi[e] = b * cs[e].x + a * cs[e].y;
+    }
+  }
+};
+
+/// The same for a head at x written by an earlier kernel or phase (read through L2). The norm
+/// weights and the RoPE row are loaded together with x, not after the warp sum (one round trip to
+/// memory instead of two).
 template <int D>
 __device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, float eps, const float2* rope_row,
                                                int lane, float* lo, float* hi) {
   constexpr int E = D / 64;
-  // The norm weights and the RoPE row first: loaded together with x, not after the warp sum (one
-  // round trip to memory instead of two).
-  float wl[E], wh[E];
-  float2 cs[E];
+  HeadNormRope<D> nr;
+  nr.load(w, rope_row, lane);
 #pragma unroll
   for (int e = 0; e < E; ++e) {
-    const int d = lane * E + e;
-    wl[e] = __bfloat162float(w[d]);
-    wh[e] = __bfloat162float(w[D / 2 + d]);
-    cs[e] = rope_row[d];
-  }
-  float ss = 0.f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    lo[e] = __ldcg(x + lane * E + e);  // written by an earlier kernel or phase: read through L2
+    lo[e] = __ldcg(x + lane * E + e);
     hi[e] = __ldcg(x + D / 2 + lane * E + e);
-    ss += lo[e] * lo[e] + hi[e] * hi[e];
   }
-  ss = warp_sum(ss);
-  const float rs = rsqrtf(ss / D + eps);
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const float a = lo[e] * rs * wl[e];
-    const float b = hi[e] * rs * wh[e];
-    lo[e] = a * cs[e].x - b * cs[e].y;
-    hi[e] = b * cs[e].x + a * cs[e].y;
-  }
+  nr.apply(eps, lo, hi);
 }
 
 constexpr unsigned long long kStuckNs = 10'000'000'000ull;  // a wait this long is a bug: trap

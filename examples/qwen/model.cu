@@ -1,6 +1,7 @@
 // examples/qwen/model.cu: the Engine (weights, buffers, paged KV, prefill, eager and graph decode).
 #include "model.hpp"
 
+#include "mega.cuh"
 #include "stream.cuh"
 
 #include <common/device.hpp>
@@ -13,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <map>
 #include <cstring>
@@ -97,6 +99,16 @@ struct Engine::Impl {
   };
   std::map<int, StreamProgram> programs;  // by bucket; empty for the legacy kernels
 
+  /// The persistent kernel (mega.cuh) of bucket 1: its parameters, tagged activations, counters.
+  replay::device_buffer<MegaLayer> mega_layers;
+  replay::device_buffer<unsigned long long> mega_words;  // x | qkv | attn | act (tagged words)
+  replay::device_buffer<unsigned long long> mega_best;   // [grid] per-block argmax keys
+  replay::device_buffer<unsigned> mega_sync;             // epoch, blocks exited
+  replay::device_buffer<unsigned long long> mega_trace;  // QWEN_MEGA_TRACE=1: per block and phase stamps
+  MegaParams mega;
+  MegaGeometry mega_geo;
+  bool mega_on = false;
+
   std::vector<int> buckets;
   /// The bucketed graph pool with eager fallback: one graph per bucket, captured on first use.
   std::optional<replay::step_runner<replay::graph_key>> runner;
@@ -174,6 +186,7 @@ struct Engine::Impl {
     ro.pool.warmup = 1;  // one eager run before capture (same inputs: rewrites the same K/V values)
     for (std::size_t b : ro.buckets.sizes()) buckets.push_back(static_cast<int>(b));
     build_programs();
+    build_mega();
     runner.emplace([this](replay::stream_ref s, const replay::graph_key& k) { decode_kernels(int(k.bucket), s); },
                    std::move(ro));
     stream.synchronize();
@@ -369,8 +382,113 @@ struct Engine::Impl {
     return prog;
   }
 
+  void build_mega() {
+    if (opt.kernels != decode_kernels::mega || !mega_supported(cfg.head_dim, cfg.group_size())) return;
+    const int L = cfg.num_hidden_layers, H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim();
+    std::vector<MegaLayer> ml(L);
+    for (int l = 0; l < L; ++l) {
+      const auto& w = layers[l];
+      ml[l] = MegaLayer{w.wqkv, w.wo, w.wgu, w.wdown, w.in_norm, w.post_norm, w.q_norm, w.k_norm};
+    }
+    mega_layers = replay::device_buffer<MegaLayer>(ml.size());
+    REPLAY_CHECK(cudaMemcpy(mega_layers.data(), ml.data(), ml.size() * sizeof(MegaLayer), cudaMemcpyHostToDevice));
+    const std::size_t words = std::size_t(H) + cfg.qkv_dim() + Q + I;
+    mega_words = replay::device_buffer<unsigned long long>(words);
+    REPLAY_CHECK(cudaMemset(mega_words.data(), 0, mega_words.size_bytes()));  // tag 0: never a step's tag
+    mega_best = replay::device_buffer<unsigned long long>(num_sms);
+    mega_sync = replay::device_buffer<unsigned>(2);
+    REPLAY_CHECK(cudaMemset(mega_sync.data(), 0, mega_sync.size_bytes()));
+    MegaParams& p = mega;
+    p.layers = mega_layers.data();
+    p.num_layers = L;
+    p.hidden = H, p.q_dim = Q, p.kv_dim = cfg.kv_dim(), p.intermediate = I, p.vocab = cfg.vocab_size;
+    p.eps = static_cast<float>(cfg.rms_norm_eps);
+    p.embed = embed, p.lm_head = lm_head, p.final_norm = final_norm, p.rope = rope.data();
+    p.meta = meta;
+    p.kv = kv;
+    p.x = mega_words.data();
+    p.qkv = p.x + H;
+    p.attn = p.qkv + cfg.qkv_dim();
+    p.act = p.attn + Q;
+    p.logits = logits.data();
+    p.keys = keys.data();
+    p.block_best = mega_best.data();
+    p.sync = mega_sync.data();
+    if (const char* t = std::getenv("QWEN_MEGA_TRACE"); t != nullptr && std::atoi(t) != 0) {
+      mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * 3);
+      REPLAY_CHECK(cudaMemset(mega_trace.data(), 0, mega_trace.size_bytes()));
+      p.trace = mega_trace.data();
+    }
+    mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
+    p.slots = mega_geo.slots;
+    mega_on = true;
+  }
+  /// The persistent kernel's trace of the last step: per phase kind, medians over layers of the gap
+  /// between phase completions, of when blocks had their input staged after the previous phase
+  /// completed, and of the blocks' time on their rows.
+  [[nodiscard]] std::string mega_trace_summary() const {
+    if (mega_trace.size() == 0) return {};
+    const int L = cfg.num_hidden_layers, P = 5 * L + 2, grid = mega_geo.grid;
+    std::vector<unsigned long long> t(mega_trace.size());
+    REPLAY_CHECK(cudaMemcpy(t.data(), mega_trace.data(), mega_trace.size_bytes(), cudaMemcpyDeviceToHost));
+    auto at = [&](int b, int ph, int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * 3 + w]) * 1e-3; };
+    std::vector<double> done(P, 0.0);
+    double start = 1e300;
+    for (int b = 0; b < grid; ++b)
+      if (at(b, 1, 0) > 0) start = std::min(start, at(b, 1, 0));
+    done[0] = start;
+    static const char* names[] = {"qkv", "attention", "o", "gate/up", "down", "lm_head"};
+    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6);
+    auto median = [](std::vector<double> v) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    for (int ph = 1; ph < P; ++ph) {
+      const int kind = ph == P - 1 ? 5 : (ph - 1) % 5;
+      std::vector<double> st, rw;
+      for (int b = 0; b < grid; ++b) {
+        if (at(b, ph, 1) <= 0) continue;
+        done[ph] = std::max(done[ph], at(b, ph, 2));
+        st.push_back(at(b, ph, 1) - done[ph - 1]);
+        rw.push_back(at(b, ph, 2) - at(b, ph, 1));
+      }
+      if (st.empty()) {
+        done[ph] = done[ph - 1];
+        continue;
+      }
+      gap[kind].push_back(done[ph] - done[ph - 1]);
+      staged[kind].push_back(median(st));
+      staged_max[kind].push_back(*std::max_element(st.begin(), st.end()));
+      rows[kind].push_back(median(rw));
+      rows_max[kind].push_back(*std::max_element(rw.begin(), rw.end()));
+    }
+    std::string s = fmt::format("mega trace (last step): first phase entry -> lm_head done {:.1f} us", done[P - 1] - start);
+    for (int k = 0; k < 6; ++k) {
+      if (gap[k].empty()) continue;
+      double sum = 0;
+      for (double x : gap[k]) sum += x;
+      s += fmt::format("\n  {:9}: gap median {:6.2f} us (sum {:7.1f}); input staged after {:5.2f} (slowest block {:5.2f}); "
+                       "rows {:5.2f} (slowest {:5.2f})",
+                       names[k], median(gap[k]), sum, median(staged[k]), median(staged_max[k]), median(rows[k]),
+                       median(rows_max[k]));
+    }
+    return s + "\n";
+  }
+
+  /// QWEN_MEGA_SLOTS caps the persistent kernel's ring slots per warp (diagnostics; default 16).
+  static int env_slots() {
+    const char* e = std::getenv("QWEN_MEGA_SLOTS");
+    return e != nullptr ? std::max(2, std::atoi(e)) : 16;
+  }
+
   [[nodiscard]] std::string describe_kernels() const {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
+    if (opt.kernels == decode_kernels::mega)
+      return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of 2 KiB per warp, smem {} KiB; "
+                                       "other buckets: ring)",
+                                       mega_geo.grid, mega_geo.slots, mega_geo.smem / 1024.0)
+                     : s + " (shape not supported by the persistent kernel: ring kernels)";
     if (!streaming())
       return s + (opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8
                       ? " (8 loads in flight)"
@@ -454,9 +572,13 @@ struct Engine::Impl {
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     set_gemv_loads(opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8 ? 8 : 4);
     set_gemv_rowpipe(opt.kernels == decode_kernels::rowpipe || opt.kernels == decode_kernels::rowpipe_u8 ||
-                     opt.kernels == decode_kernels::ring);
-    set_gemv_ring(opt.kernels == decode_kernels::ring);
+                     opt.kernels == decode_kernels::ring || opt.kernels == decode_kernels::mega);
+    set_gemv_ring(opt.kernels == decode_kernels::ring || opt.kernels == decode_kernels::mega);
     ring_trace_begin_step();
+    if (mega_on && rows == 1) {
+      launch_mega(mega, cfg.head_dim, cfg.group_size(), mega_geo, s);
+      return;
+    }
     if (auto it = programs.find(rows); it != programs.end()) {
       for (const auto& Lc : it->second.launches)
         launch_stream(Lc, rows, cfg.head_dim, cfg.group_size(), it->second.geo, s);
@@ -544,6 +666,7 @@ std::string Engine::describe_kernels() const { return impl_->describe_kernels();
 
 std::string Engine::stream_trace_summary(int bucket) const {
   const auto& m = *impl_;
+  if (m.mega_on && bucket == 1) return m.mega_trace_summary();
   auto it = m.programs.find(bucket);
   if (it == m.programs.end() || it->second.trace.size() == 0) return {};
   const auto& prog = it->second;

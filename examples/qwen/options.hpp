@@ -24,6 +24,7 @@ enum class decode_kernels {
   stream_phase,  ///< streaming kernel (stream.cuh), one launch per phase (embed, QKV, attention, ...)
   stream_layer,  ///< streaming kernel, one launch per layer (+ embed, + lm_head)
   stream_step,   ///< streaming kernel, the whole step in one launch
+  mega,          ///< persistent kernel for bucket 1 (mega.cuh: per-warp weight streams, tagged activations); ring otherwise
 };
 
 inline const char* decode_kernels_name(decode_kernels k) {
@@ -36,16 +37,17 @@ inline const char* decode_kernels_name(decode_kernels k) {
     case decode_kernels::stream_phase: return "phase";
     case decode_kernels::stream_layer: return "layer";
     case decode_kernels::stream_step: return "step";
+    case decode_kernels::mega: return "mega";
   }
   return "?";
 }
 
-/// Parses rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer or step; throws input_error otherwise.
+/// Parses rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer, step or mega; throws input_error otherwise.
 inline decode_kernels parse_decode_kernels(const std::string& s) {
   for (auto k : {decode_kernels::rowpipe, decode_kernels::rowpipe_u8, decode_kernels::ring, decode_kernels::legacy, decode_kernels::legacy_u8, decode_kernels::stream_phase,
-                 decode_kernels::stream_layer, decode_kernels::stream_step})
+                 decode_kernels::stream_layer, decode_kernels::stream_step, decode_kernels::mega})
     if (s == decode_kernels_name(k)) return k;
-  throw input_error("unknown decode kernels '" + s + "' (known: rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer, step)");
+  throw input_error("unknown decode kernels '" + s + "' (known: rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer, step, mega)");
 }
 
 /// Run-time sizes of the engine (everything is allocated once from these).

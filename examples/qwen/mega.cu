@@ -1,0 +1,755 @@
+// examples/qwen/mega.cu: the persistent decode kernel (see mega.cuh), then its launcher.
+//
+// Block = 8 warps, one block per SM. Shared memory: per warp a ring of `slots` 2 KiB slots, then a
+// work area used either by a GEMV phase (the staged input x as bf16, and the fp32 residual row the
+// RMSNorm reads) or by an attention item (q, the cross-warp softmax state, the new K/V). Attention
+// items are (kv head, up to 2 of its query heads), each on its own block.
+//
+// Per GEMV phase a warp owns the contiguous rows [g N / GW, (g + 1) N / GW) (g: the warp's index in
+// the grid, GW: warps in the grid) and walks them piece by piece (1024 weights, 2 KiB; gate and up
+// pieces alternate for the gate/up projection). Its lane 0 keeps the ring `slots` pieces ahead of the
+// warp in that same order, over every GEMV of the step.
+#include "mega.cuh"
+#include "device_helpers.cuh"
+
+#include <replay/error.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+namespace qwen {
+namespace {
+
+using namespace dev;
+
+constexpr int kMW = 8;                 // warps per block (16 at 128 registers spilled and ran slower)
+constexpr int kMThreads = kMW * 32;
+constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of attention (the per-matrix
+                                       // kernels' 8, so that the summation orders match theirs)
+constexpr int kMaxRingSlots = 16;      // slots per warp at most
+constexpr int kPiece = 1024;           // weights per slot (2 KiB of bf16)
+constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging
+constexpr int kSmemLayers = 64;        // layer tables up to this long are copied to shared memory
+
+// ------------------------------------------------------------------------------------------------
+// Tagged words
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned long long ld_word(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_word(unsigned long long* p, float v, unsigned tag) {
+  const unsigned long long w = (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ unsigned word_tag(unsigned long long w) { return static_cast<unsigned>(w >> 32); }
+__device__ __forceinline__ float word_val(unsigned long long w) { return __uint_as_float(static_cast<unsigned>(w)); }
+
+/// The value of word p once it carries `tag`; `w` is a load of it already issued.
+__device__ __forceinline__ float settle(const unsigned long long* p, unsigned long long w, unsigned tag) {
+  if (word_tag(w) != tag) {
+    const unsigned long long t0 = global_ns();
+    for (unsigned n = 1; word_tag(w = ld_word(p)) != tag; ++n)
+      if ((n & 1023u) == 0 && global_ns() - t0 > kStuckNs) stuck("an activation word", static_cast<int>(tag), 0);
+  }
+  return word_val(w);
+}
+
+/// Settles words w[i] (loads of addr(i) already issued) for i < count: every round re-requests all
+/// the words that do not carry `tag` yet, so a round costs one round trip whatever their number.
+template <int N, class Addr>
+__device__ __forceinline__ void settle_all(unsigned long long (&w)[N], int count, unsigned tag, Addr&& addr) {
+  unsigned long long t0 = 0;
+  for (unsigned n = 0;; ++n) {
+    bool all = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < count && word_tag(w[i]) != tag) all = false, w[i] = ld_word(addr(i));
+    if (all) return;
+    if (n == 0) t0 = global_ns();
+    else if ((n & 1023u) == 0 && global_ns() - t0 > kStuckNs) stuck("activation words", static_cast<int>(tag), 0);
+  }
+}
+
+/// store(i, value) for every i < n, once word src[i] carries `tag`; the block's threads split the
+/// words, kPollBatch of them in flight per thread.
+template <class Store>
+__device__ __forceinline__ void poll_range(const unsigned long long* src, int n, unsigned tag, Store&& store) {
+  for (int base = threadIdx.x; base < n; base += kMThreads * kPollBatch) {
+    unsigned long long w[kPollBatch];
+    const int count = min(kPollBatch, (n - base + kMThreads - 1) / kMThreads);
+#pragma unroll
+    for (int i = 0; i < kPollBatch; ++i)
+      if (i < count) w[i] = ld_word(src + base + i * kMThreads);
+    settle_all(w, count, tag, [&](int i) { return src + base + i * kMThreads; });
+#pragma unroll
+    for (int i = 0; i < kPollBatch; ++i)
+      if (i < count) store(base + i * kMThreads, word_val(w[i]));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The weight stream
+// ------------------------------------------------------------------------------------------------
+
+enum : int { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kLmHead = 4 };
+
+struct MegaGemv {
+  const bf16* W;
+  int N, K;
+};
+
+/// GEMV j of the step: 4 per layer (QKV, O, gate/up, down), then lm_head.
+__device__ __forceinline__ MegaGemv gemv_of(const MegaParams& p, const MegaLayer* layers, int j) {
+  if (j >= 4 * p.num_layers) return {p.lm_head, p.vocab, p.hidden};
+  const MegaLayer& w = layers[j >> 2];
+  switch (j & 3) {
+    case kQkv: return {w.wqkv, p.q_dim + 2 * p.kv_dim, p.hidden};
+    case kO: return {w.wo, p.hidden, p.q_dim};
+    case kGateUp: return {w.wgu, p.intermediate, p.hidden};
+    default: return {w.wdown, p.hidden, p.intermediate};
+  }
+}
+__device__ __forceinline__ int gemv_halves(const MegaParams& p, int j) {
+  return j < 4 * p.num_layers && (j & 3) == kGateUp ? 2 : 1;
+}
+/// First row of warp g of GW in a matrix of N rows (warp g owns [split(g), split(g + 1))).
+__device__ __forceinline__ int row_split(int g, int N, int GW) {
+  // 32-bit when it fits (g < GW <= 16 K warps, N < 256 K rows): a 64-bit division is a long call
+  return static_cast<unsigned>(N) < (1u << 18) ? static_cast<int>(static_cast<unsigned>(g * N) / static_cast<unsigned>(GW))
+                                               : static_cast<int>(static_cast<long long>(g) * N / GW);
+}
+
+/// Lane 0's position in its warp's weight stream: GEMV j, row, unit = piece * halves + half.
+struct Cursor {
+  int j, row, end, unit, units, halves;
+  MegaGemv m;
+};
+
+/// From GEMV c.j on, the first with rows for warp g (c.j = 4 L + 1: the stream has ended).
+__device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW) {
+  for (; c.j <= 4 * p.num_layers; ++c.j) {
+    c.m = gemv_of(p, layers, c.j);
+    c.row = row_split(g, c.m.N, GW);
+    c.end = row_split(g + 1, c.m.N, GW);
+    if (c.row < c.end) {
+      c.halves = gemv_halves(p, c.j);
+      c.unit = 0;
+      c.units = (c.m.K + kPiece - 1) / kPiece * c.halves;
+      return;
+    }
+  }
+}
+__device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW) {
+  if (++c.unit < c.units) return;
+  c.unit = 0;
+  if (++c.row < c.end) return;
+  ++c.j;
+  cursor_seek(c, p, layers, g, GW);
+}
+/// Lane 0: the cursor's piece into slot s, then advance (nothing once the stream has ended).
+__device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
+                                             bf16* ring,
+                                             unsigned long long* bars, int s, unsigned long long pol) {
+  if (c.j > 4 * p.num_layers) return;
+  const int half = c.unit % c.halves, k0 = c.unit / c.halves * kPiece;
+  const unsigned bytes = static_cast<unsigned>(min(kPiece, c.m.K - k0)) * sizeof(bf16);
+  mbar_arrive_tx(bars + s, bytes);
+  bulk_load(ring + std::size_t(s) * kPiece, c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0, bytes, bars + s,
+            pol);
+  cursor_next(c, p, layers, g, GW);
+}
+
+/// A warp's consuming side of its ring.
+struct Ring {
+  bf16* base;
+  unsigned long long* bars;
+  int slots;
+  int s = 0;
+  unsigned parity = 0;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Phases
+// ------------------------------------------------------------------------------------------------
+
+/// The block's view of the step: tags, work area, its warp's place in the grid.
+struct Step {
+  unsigned epoch, phases;
+  int g, GW, lane, warp, tid;
+  bf16* xs;     // staged GEMV input [max K] bf16
+  float* xf;    // fp32 residual row [hidden] (RMSNorm input)
+  unsigned char* work;
+  const MegaLayer* layers;    // the layer table (a shared-memory copy when it fits)
+  unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][3], else nullptr
+  __device__ __forceinline__ unsigned tag(int phase) const { return epoch * phases + static_cast<unsigned>(phase) + 1u; }
+  /// Diagnostics: %globaltimer at a phase's entry (what 0, thread 0), when its input was staged (1,
+  /// thread 0) and when the block's last warp finished (2, lane 0 of every warp).
+  __device__ __forceinline__ void mark(int phase, int what) const {
+    if (trace == nullptr) return;
+    unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * 3 + what;
+    if (what < 2 && tid == 0) *at = global_ns();
+    if (what == 2 && lane == 0) atomicMax(at, global_ns());
+  }
+};
+__device__ __forceinline__ int phase_qkv(int l) { return 1 + 5 * l; }
+__device__ __forceinline__ int phase_att(int l) { return 2 + 5 * l; }
+__device__ __forceinline__ int phase_o(int l) { return 3 + 5 * l; }
+__device__ __forceinline__ int phase_gu(int l) { return 4 + 5 * l; }
+__device__ __forceinline__ int phase_down(int l) { return 5 + 5 * l; }
+/// The phase whose residual the layer l (num_layers: lm_head) starts from.
+__device__ __forceinline__ int phase_x_in(int l) { return l == 0 ? 0 : phase_down(l - 1); }
+
+/// xs = bf16(rmsnorm(xf) * w): the arithmetic and order of the per-matrix kernels' stage_x (B = 1,
+/// 8 warps: the sum of squares runs on warps 0..7), from the residual row polled into shared memory.
+__device__ __forceinline__ void rms_stage(const float* xf, const bf16* w, int K, float eps, bf16* xs, float* red,
+                                          const Step& st) {
+  if (st.warp < kAW) {
+    float ss = 0.f;
+    for (int k = st.tid * 4; k < K; k += kAW * 32 * 4) {
+      const float4 v = *reinterpret_cast<const float4*>(xf + k);
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = warp_sum(ss);
+    if (st.lane == 0) red[st.warp] = ss;
+  }
+  __syncthreads();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kAW; ++i) s += red[i];
+  const float rs = rsqrtf(s / K + eps);
+  for (int k = st.tid * 8; k < K; k += kMThreads * 8) {
+    float g[8];
+    unpack8(*reinterpret_cast<const uint4*>(w + k), g);
+    const float4 a = *reinterpret_cast<const float4*>(xf + k);
+    const float4 c = *reinterpret_cast<const float4*>(xf + k + 4);
+    uint4 o;
+    o.x = pack2(a.x * rs * g[0], a.y * rs * g[1]);
+    o.y = pack2(a.z * rs * g[2], a.w * rs * g[3]);
+    o.z = pack2(c.x * rs * g[4], c.y * rs * g[5]);
+    o.w = pack2(c.z * rs * g[6], c.w * rs * g[7]);
+    *reinterpret_cast<uint4*>(xs + k) = o;
+  }
+}
+
+/// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
+template <int KIND>
+__device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, Cursor& prod, float* red,
+                           float& best_v, int& best_i) {
+  constexpr int R = KIND == kGateUp ? 2 : 1;
+  constexpr bool kNorm = KIND == kQkv || KIND == kGateUp || KIND == kLmHead;
+  constexpr bool kResidual = KIND == kO || KIND == kDown;
+  const int j = KIND == kLmHead ? 4 * p.num_layers : 4 * l + KIND;
+  const MegaGemv m = gemv_of(p, st.layers, j);
+  const int N = m.N, K = m.K;
+  const int r0 = row_split(st.g, N, st.GW), r1 = row_split(st.g + 1, N, st.GW);
+  const int b0 = row_split(blockIdx.x * kMW, N, st.GW), b1 = row_split((blockIdx.x + 1) * kMW, N, st.GW);
+  if (b0 == b1) return;  // no rows in this block: it neither stages nor reads this phase's input
+
+  // Tags: the input, the residual this phase adds to, the output.
+  int in_phase;
+  const unsigned long long* in_words;
+  const bf16* norm_w = nullptr;
+  if constexpr (KIND == kQkv) in_phase = phase_x_in(l), in_words = p.x, norm_w = st.layers[l].in_norm;
+  else if constexpr (KIND == kO) in_phase = phase_att(l), in_words = p.attn;
+  else if constexpr (KIND == kGateUp) in_phase = phase_o(l), in_words = p.x, norm_w = st.layers[l].post_norm;
+  else if constexpr (KIND == kDown) in_phase = phase_gu(l), in_words = p.act;
+  else in_phase = phase_x_in(p.num_layers), in_words = p.x, norm_w = p.final_norm;
+  const unsigned in_tag = st.tag(in_phase);
+  const unsigned res_tag = kResidual ? st.tag(KIND == kO ? phase_x_in(l) : phase_o(l)) : 0u;
+  const int out_phase = KIND == kQkv ? phase_qkv(l) : KIND == kO ? phase_o(l) : KIND == kGateUp ? phase_gu(l)
+                        : KIND == kDown ? phase_down(l) : 0;
+  const unsigned out_tag = st.tag(out_phase);
+  const int trace_phase = KIND == kLmHead ? phase_x_in(p.num_layers) + 1 : out_phase;
+  st.mark(trace_phase, 0);
+
+  // The residual of the warp's first 32 rows, requested before the staging (one word per lane).
+  unsigned long long xres = 0;
+  if (kResidual && st.lane < r1 - r0) xres = ld_word(p.x + r0 + st.lane);
+
+  __syncthreads();  // every warp is done with the work area (previous phase)
+  if constexpr (kNorm) {
+    poll_range(in_words, K, in_tag, [&](int e, float v) { st.xf[e] = v; });
+    __syncthreads();
+    rms_stage(st.xf, norm_w, K, p.eps, st.xs, red, st);
+  } else {
+    poll_range(in_words, K, in_tag, [&](int e, float v) { st.xs[e] = __float2bfloat16(v); });  // exact: bf16 values
+  }
+  __syncthreads();
+  st.mark(trace_phase, 1);
+
+  const int P = (K + kPiece - 1) / kPiece;
+  const unsigned long long pol = evict_first_policy();
+  // Registers for the loop's state (the structs may live in local memory when this is not inlined).
+  const int lane = st.lane, S = ring.slots;
+  const bf16* xs = st.xs;
+  bf16* const rbase = ring.base;
+  unsigned long long* const bars = ring.bars;
+  int rs = ring.s;
+  unsigned rpar = ring.parity;
+  Cursor c = prod;
+  for (int n = r0; n < r1; ++n) {
+    float acc[R];
+#pragma unroll
+    for (int h = 0; h < R; ++h) acc[h] = 0.f;
+    for (int piece = 0; piece < P; ++piece) {
+      const int k0 = piece * kPiece;
+      uint4 w[R][4];
+#pragma unroll
+      for (int h = 0; h < R; ++h) {
+        int s = rs + h;  // the gate and up pieces: consecutive slots
+        unsigned parity = rpar;
+        if (s >= S) s -= S, parity ^= 1u;
+        mbar_wait(bars + s, parity, s);
+        const bf16* slot = rbase + std::size_t(s) * kPiece;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int k = u * 256 + lane * 8;
+          w[h][u] = k0 + k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
+        }
+      }
+      // Every lane has read the slots (the loads were issued; a bulk copy's bytes arrive a DRAM round
+      // trip later): refill them with the stream's next pieces. (A fence.proxy.async before the refill
+      // measured no different, H200.)
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int h = 0; h < R; ++h)
+          cursor_issue(c, p, st.layers, st.g, st.GW, rbase, bars, rs + h < S ? rs + h : rs + h - S, pol);
+      }
+      rs += R;
+      if (rs >= S) rs -= S, rpar ^= 1u;
+      // The per-matrix kernels' order: pieces, then u, then the 8 weights of a 16-byte load (the gate
+      // and up rows are independent chains).
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int k = k0 + u * 256 + lane * 8;
+        if (k < K) {
+          float xv[8];
+          unpack8(*reinterpret_cast<const uint4*>(xs + k), xv);
+#pragma unroll
+          for (int h = 0; h < R; ++h) {
+            float wf[8];
+            unpack8(w[h][u], wf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[h] = fmaf(wf[e], xv[e], acc[h]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < R; ++h) acc[h] = warp_sum(acc[h]);
+    [[maybe_unused]] float xo = 0.f;
+    if constexpr (kResidual) {
+      const int at = n - r0;
+      const unsigned long long wv = __shfl_sync(0xffffffffu, xres, at & 31);
+      if (st.lane == 0) xo = at < 32 ? settle(p.x + n, wv, res_tag) : settle(p.x + n, ld_word(p.x + n), res_tag);
+    }
+    if (st.lane == 0) {
+      if constexpr (KIND == kQkv) {
+        st_word(p.qkv + n, acc[0], out_tag);
+      } else if constexpr (kResidual) {
+        st_word(p.x + n, xo + acc[0], out_tag);
+      } else if constexpr (KIND == kGateUp) {
+        const float g = acc[0];
+        st_word(p.act + n, __bfloat162float(__float2bfloat16(g / (1.f + __expf(-g)) * acc[R - 1])), out_tag);
+      } else {
+        p.logits[n] = acc[0];
+        if (acc[0] > best_v) best_v = acc[0], best_i = n;
+      }
+    }
+  }
+  ring.s = rs, ring.parity = rpar;
+  prod = c;
+  st.mark(trace_phase, 2);
+}
+
+/// Attention of layer l for kv head kvh, query heads h0 .. h0 + G - 1 of its group (of group_size): the
+/// per-matrix attention kernel's decode path (one chunk) on warps 0..7, reading q/k/v as tagged words
+/// and writing its output as them. Each head's softmax is independent, so splitting a group's heads
+/// over items changes no result; the item with h0 = 0 writes the new K/V to the pool.
+template <int D, int G>
+__device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int group_size, const Step& st) {
+  constexpr int E = D / 64;
+  constexpr int DPL = D / 8;
+  constexpr int NV = DPL / 8;
+  constexpr int T = 2;
+  const KvPool& kv = p.kv;
+  const RowMeta& meta = p.meta;
+  float* q_s = reinterpret_cast<float*>(st.work);     // [G][D]
+  float* red_m = q_s + G * D;                         // [kAW][G]
+  float* red_l = red_m + kAW * G;                     // [kAW][G]
+  float* red_acc = red_l + kAW * G;                   // [kAW][G][D]
+  bf16* k_new = reinterpret_cast<bf16*>(red_acc + kAW * G * D);  // [D]
+  bf16* v_new = k_new + D;                            // [D]
+  const int tid = st.tid, lane = st.lane, warp = st.warp;
+  const int sub = lane & 7, grp = lane >> 3;
+  bf16* kbase = kv.base + std::size_t(l) * kv.layer_stride();
+  bf16* vbase = kbase + kv.kv_stride();
+  auto kv_offset = [&](int blk, int t) {
+    return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+  };
+  const int pos = meta.pos[0];
+  const int seq_len = pos + 1;
+  const std::int32_t* table = meta.block_table + std::size_t(meta.slot[0]) * meta.table_width;
+  const int blk_pos = table[pos / kv.block_size];
+  // The earlier positions' K/V of the first iteration: written in earlier steps.
+  const bool worker = warp < kAW;  // warps 8.. only take part in the barriers
+  uint4 kr[T][NV], vr[T][NV];
+#pragma unroll
+  for (int u = 0; u < T; ++u) {
+    const int t = warp * 4 + u * kAW * 4 + grp;
+    if (worker && t < pos) {
+      const std::size_t o = kv_offset(table[t / kv.block_size], t);
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+        vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+      }
+    }
+  }
+  st.mark(phase_att(l), 0);
+  __syncthreads();  // every warp is done with the work area (previous phase)
+
+  const unsigned qkv_tag = st.tag(phase_qkv(l));
+  const float2* rope_row = p.rope + std::size_t(pos) * (D / 2);
+  const float scale = rsqrtf(static_cast<float>(D));
+  const MegaLayer& w = st.layers[l];
+  for (int item = warp; item < G + 1; item += kAW) {
+    const bool is_q = item < G;
+    const int head_off = is_q ? (kvh * group_size + h0 + item) * D : p.q_dim + kvh * D;
+    HeadNormRope<D> nr;
+    nr.load(is_q ? w.q_norm : w.k_norm, rope_row, lane);
+    // The head's words (and V's for the K item), all requested before any is checked.
+    const unsigned long long* hw = p.qkv + head_off;
+    const unsigned long long* vw = p.qkv + p.q_dim + p.kv_dim + kvh * D;
+    constexpr int NW = 2 * E + D / 32;
+    auto addr = [&](int i) {
+      return i < E ? hw + lane * E + i : i < 2 * E ? hw + D / 2 + lane * E + (i - E) : vw + lane + 32 * (i - 2 * E);
+    };
+    const int count = is_q ? 2 * E : NW;
+    unsigned long long raw[NW];
+#pragma unroll
+    for (int i = 0; i < NW; ++i)
+      if (i < count) raw[i] = ld_word(addr(i));
+    settle_all(raw, count, qkv_tag, addr);
+    float lo[E], hi[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) lo[e] = word_val(raw[e]), hi[e] = word_val(raw[E + e]);
+    nr.apply(p.eps, lo, hi);
+    if (is_q) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        q_s[item * D + lane * E + e] = lo[e] * scale;
+        q_s[item * D + D / 2 + lane * E + e] = hi[e] * scale;
+      }
+    } else {
+      const int off = pos % kv.block_size;
+      bf16* kp = kbase + ((std::size_t(blk_pos) * kv.kv_heads + kvh) * kv.block_size + off) * D;
+      bf16* vp = vbase + ((std::size_t(blk_pos) * kv.kv_heads + kvh) * kv.block_size + off) * D;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const bf16 a = __float2bfloat16(lo[e]), b = __float2bfloat16(hi[e]);
+        k_new[lane * E + e] = a, k_new[D / 2 + lane * E + e] = b;
+        if (h0 == 0) kp[lane * E + e] = a, kp[D / 2 + lane * E + e] = b;
+      }
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const bf16 x = __float2bfloat16(word_val(raw[2 * E + i]));
+        v_new[lane + 32 * i] = x;
+        if (h0 == 0) vp[lane + 32 * i] = x;
+      }
+    }
+  }
+  __syncthreads();
+  st.mark(phase_att(l), 1);
+
+  float q[G][DPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h * D + sub * DPL + j];
+  float m[G], lsum[G], acc[G][DPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY, lsum[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
+  }
+  for (int base = warp * 4; worker && base < seq_len; base += kAW * 4 * T) {
+    bool valid[T];
+#pragma unroll
+    for (int u = 0; u < T; ++u) {
+      const int t = base + u * kAW * 4 + grp;
+      valid[u] = t < seq_len;
+      if (valid[u] && t == pos) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
+        }
+      } else if (valid[u] && base != warp * 4) {
+        const std::size_t o = kv_offset(table[t / kv.block_size], t);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < T; ++u) {
+      float kf[DPL], vf[DPL];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) unpack8(kr[u][i], kf + 8 * i), unpack8(vr[u][i], vf + 8 * i);
+      float sc[G];
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float d = 0.f;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        d += __shfl_xor_sync(0xffffffffu, d, 4);
+        sc[h] = d;
+      }
+      if (valid[u]) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float mn = fmaxf(m[h], sc[h]);
+          const float corr = __expf(m[h] - mn);
+          const float pr = __expf(sc[h] - mn);
+          lsum[h] = lsum[h] * corr + pr;
+#pragma unroll
+          for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j] * corr);
+          m[h] = mn;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 8; o <= 16; o <<= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
+      const float lo = __shfl_xor_sync(0xffffffffu, lsum[h], o);
+      const float mn = fmaxf(m[h], mo);
+      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
+      const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
+      lsum[h] = lsum[h] * a + lo * b;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) {
+        const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
+        acc[h][j] = acc[h][j] * a + ao * b;
+      }
+      m[h] = mn;
+    }
+  }
+  if (worker && grp == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      if (sub == 0) red_m[warp * G + h] = m[h], red_l[warp * G + h] = lsum[h];
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = acc[h][j];
+    }
+  }
+  __syncthreads();
+  const unsigned out_tag = st.tag(phase_att(l));
+  for (int idx = tid; idx < G * D; idx += kMThreads) {
+    const int h = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kAW; ++i) mx = fmaxf(mx, red_m[i * G + h]);
+    float Ls = 0.f, A = 0.f;
+#pragma unroll
+    for (int i = 0; i < kAW; ++i) {
+      const float f = red_m[i * G + h] == -INFINITY ? 0.f : __expf(red_m[i * G + h] - mx);
+      Ls += red_l[i * G + h] * f;
+      A += red_acc[(i * G + h) * D + d] * f;
+    }
+    st_word(p.attn + (kvh * group_size + h0 + h) * D + d, __bfloat162float(__float2bfloat16(A / Ls)), out_tag);
+  }
+  st.mark(phase_att(l), 2);
+}
+
+/// Query heads per attention item: at most 2 (with 4 or more per kv head, a kv head's heads are split
+/// over items: attention's registers then fit the 128 a 16-warp block allows).
+constexpr int attention_heads(int G) { return G < 2 ? G : 2; }
+
+template <int D, int G>
+std::size_t attention_scratch() {
+  constexpr int GA = attention_heads(G);
+  return sizeof(float) * (GA * D + 2 * kAW * GA + kAW * GA * D) + 2 * D * sizeof(bf16);
+}
+
+template <int D, int G>
+__global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
+  constexpr int GA = attention_heads(G);
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ unsigned long long bars[kMW][kMaxRingSlots];
+  __shared__ float red[kMW];
+  __shared__ unsigned long long red_key[kMW];
+  static_assert(sizeof(MegaLayer) % 8 == 0, "the layer table is copied in 8-byte words");
+  __shared__ MegaLayer layers_s[kSmemLayers];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int S = p.slots;
+  if (p.num_layers <= kSmemLayers)
+    for (int i = tid; i < p.num_layers * static_cast<int>(sizeof(MegaLayer) / 8); i += kMThreads)
+      reinterpret_cast<unsigned long long*>(layers_s)[i] = reinterpret_cast<const unsigned long long*>(p.layers)[i];
+  __syncthreads();
+
+  Step st;
+  st.layers = p.num_layers <= kSmemLayers ? layers_s : p.layers;
+  st.tid = tid, st.lane = lane, st.warp = warp;
+  st.g = blockIdx.x * kMW + warp;
+  st.GW = gridDim.x * kMW;
+  st.epoch = __ldcg(p.sync);  // written by the previous step's last block (kernel boundary)
+  st.phases = 5u * static_cast<unsigned>(p.num_layers) + 2u;
+  st.trace = p.trace;
+  st.work = smem + std::size_t(kMW) * S * kPiece * sizeof(bf16);
+  st.xs = reinterpret_cast<bf16*>(st.work);
+  const int kmax = max(p.hidden, max(p.q_dim, p.intermediate));
+  st.xf = reinterpret_cast<float*>(st.work + (std::size_t(kmax) * sizeof(bf16) + 15) / 16 * 16);
+
+  // Start the warp's weight stream (weights never depend on activations).
+  Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * kPiece, bars[warp], S};
+  Cursor prod{};
+  if (lane == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(ring.bars + s, 1);
+    mbar_fence_init();
+    prod.j = 0;
+    cursor_seek(prod, p, st.layers, st.g, st.GW);
+    const unsigned long long pol = evict_first_policy();
+    for (int s = 0; s < S; ++s) cursor_issue(prod, p, st.layers, st.g, st.GW, ring.base, ring.bars, s, pol);
+  }
+  __syncwarp();
+
+  // Embedding of the row's token: this block's slice of x.
+  {
+    int tok = p.meta.token[0];
+    tok = tok < 0 ? 0 : (tok >= p.vocab ? p.vocab - 1 : tok);  // validated on the host; stay in bounds
+    const int e0 = row_split(blockIdx.x, p.hidden, gridDim.x), e1 = row_split(blockIdx.x + 1, p.hidden, gridDim.x);
+    const unsigned tag = st.tag(0);
+    for (int e = e0 + tid; e < e1; e += kMThreads)
+      st_word(p.x + e, __bfloat162float(p.embed[std::size_t(tok) * p.hidden + e]), tag);
+  }
+
+  float best_v = -INFINITY;
+  int best_i = 0x7fffffff;
+  const int kv_heads = p.kv.kv_heads;
+  for (int l = 0; l < p.num_layers; ++l) {
+    gemv_phase<kQkv>(p, l, st, ring, prod, red, best_v, best_i);
+    for (int it = 0; it < kv_heads * (G / GA); ++it)  // item it runs on block it * grid / items
+      if (static_cast<int>(blockIdx.x) == row_split(it, gridDim.x, kv_heads * (G / GA)))
+        attention_phase<D, GA>(p, l, it / (G / GA), it % (G / GA) * GA, G, st);
+    gemv_phase<kO>(p, l, st, ring, prod, red, best_v, best_i);
+    gemv_phase<kGateUp>(p, l, st, ring, prod, red, best_v, best_i);
+    gemv_phase<kDown>(p, l, st, ring, prod, red, best_v, best_i);
+  }
+  gemv_phase<kLmHead>(p, 0, st, ring, prod, red, best_v, best_i);
+
+  // Argmax: the block's best key, then the last block out reduces them and ends the epoch.
+  if (lane == 0) red_key[warp] = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
+  __syncthreads();
+  if (tid == 0) {
+    unsigned long long k = 0;
+#pragma unroll
+    for (int i = 0; i < kMW; ++i) k = red_key[i] > k ? red_key[i] : k;
+    p.block_best[blockIdx.x] = k;
+    __threadfence();  // nothing is in flight any more: cheap
+    if (atomicAdd(p.sync + 1, 1u) == gridDim.x - 1) {
+      __threadfence();
+      unsigned long long best = 0;
+      for (unsigned b = 0; b < gridDim.x; ++b) {
+        const unsigned long long o = __ldcg(p.block_best + b);
+        best = o > best ? o : best;
+      }
+      *p.keys = best;
+      p.sync[1] = 0;
+      p.sync[0] = st.epoch + 1u;
+    }
+  }
+}
+
+using kernel_ptr = void (*)(const MegaParams);
+
+kernel_ptr pick(int D, int G) {
+  if (D == 64 && G == 1) return mega_kernel<64, 1>;
+  if (D == 64 && G == 2) return mega_kernel<64, 2>;
+  if (D == 128 && G == 1) return mega_kernel<128, 1>;
+  if (D == 128 && G == 2) return mega_kernel<128, 2>;
+  if (D == 128 && G == 4) return mega_kernel<128, 4>;
+  return nullptr;
+}
+std::size_t scratch(int D, int G) {
+  if (D == 64 && G == 1) return attention_scratch<64, 1>();
+  if (D == 64 && G == 2) return attention_scratch<64, 2>();
+  if (D == 128 && G == 1) return attention_scratch<128, 1>();
+  if (D == 128 && G == 2) return attention_scratch<128, 2>();
+  return attention_scratch<128, 4>();
+}
+
+}  // namespace
+
+bool mega_supported(int head_dim, int group) { return pick(head_dim, group) != nullptr; }
+
+MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
+  const kernel_ptr k = pick(head_dim, group);
+  if (k == nullptr) throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
+  if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
+    throw replay::usage_error("qwen::mega_geometry: matrix widths must be multiples of 8");
+  int dev = 0, optin = 0, coop = 0;
+  REPLAY_CHECK(cudaGetDevice(&dev));
+  REPLAY_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  REPLAY_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+  if (coop == 0) throw replay::usage_error("qwen::mega_geometry: the device has no cooperative launch");
+  cudaFuncAttributes fa{};
+  REPLAY_CHECK(cudaFuncGetAttributes(&fa, k));
+  const std::size_t kmax = std::max({p.hidden, p.q_dim, p.intermediate});
+  const std::size_t stage = (kmax * sizeof(bf16) + 15) / 16 * 16 + std::size_t(p.hidden) * sizeof(float);
+  const std::size_t work = (std::max(stage, scratch(head_dim, group)) + 127) / 128 * 128;
+  const long long avail = static_cast<long long>(optin) - static_cast<long long>(fa.sharedSizeBytes) -
+                          static_cast<long long>(work) - 1024;
+  long long slots = avail / (kMW * kPiece * static_cast<long long>(sizeof(bf16)));
+  slots = std::min<long long>({slots, max_slots, kMaxRingSlots});
+  if (slots < 2)
+    throw replay::usage_error(fmt::format("qwen::mega_geometry: {} B of staging leave no room for 2 ring slots per warp",
+                                          work));
+  MegaGeometry g;
+  g.slots = static_cast<int>(slots);
+  g.smem = std::size_t(kMW) * g.slots * kPiece * sizeof(bf16) + work;
+  REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
+  int per_sm = 0;
+  REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kMThreads, g.smem));
+  if (per_sm < 1)
+    throw replay::usage_error(fmt::format("qwen::mega_geometry: a block ({} registers per thread, {} B shared) does "
+                                          "not fit on a multiprocessor",
+                                          fa.numRegs, g.smem + fa.sharedSizeBytes));
+  g.grid = num_sms;
+  return g;
+}
+
+void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
+  const kernel_ptr k = pick(head_dim, group);
+  if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
+  if (p.slots != g.slots) throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(g.grid);
+  cfg.blockDim = dim3(kMThreads);
+  cfg.dynamicSmemBytes = g.smem;
+  cfg.stream = s.get();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // every block resident: blocks wait for each other's words
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  REPLAY_CHECK(cudaLaunchKernelEx(&cfg, k, p), "launching qwen::mega_kernel (grid {}, {} B shared)", g.grid, g.smem);
+}
+
+}  // namespace qwen

@@ -1,0 +1,93 @@
+// examples/qwen/mega.cuh: the persistent decode kernel (`--kernels mega`, bucket 1).
+//
+// The whole decode step of one row is one launch: one block per SM, all blocks resident (a
+// cooperative launch), walking the step's phases in order (embed; per layer QKV, attention, O +
+// residual, gate/up + SiLU, down + residual; lm_head + argmax). Two things make it different from
+// the streaming kernel (stream.cuh):
+//
+// * Weights stream per warp. Each GEMV phase's rows are split evenly over the grid's warps; a warp's
+//   rows of every phase, in phase order, form one stream of 2 KiB pieces that its lane 0 copies into
+//   the warp's ring of shared-memory slots (cp.async.bulk, one mbarrier per slot) as soon as a slot
+//   is free. Weights never depend on activations, so the rings run ahead across phase and layer
+//   boundaries: while a phase waits for the previous one, the next phases' weights keep arriving.
+// * Phases hand activations over without fences. A gpu-scope fence (and so every release) waits for
+//   all the bulk copies its block has in flight (H200: 4.4 us with 192 KiB in flight; 0.3 us with
+//   none), which is what made the streaming kernel's phase transitions cost 4-5 us. Here every
+//   activation element travels as one 64-bit word {value, tag} written by one store (the
+//   low-latency protocol of NCCL): a consumer polls the words it needs until their tags say "this
+//   step, this phase". A single 64-bit access is single-copy atomic, so a word with the right tag
+//   carries the right value, and no ordering between different words is needed.
+//
+// Tags: epoch * phases + phase + 1, the epoch read at kernel start from a device counter that the
+// last block to exit increments, so a replayed graph never sees its previous step's words as ready.
+// Each buffer is written once per phase that produces it, and every reader of one version has read
+// it before the next version can be written (each write depends, through the phase chain, on all
+// reads of the previous version), so one buffer per activation suffices.
+//
+// Arithmetic is that of the per-matrix kernels (x rounded to bf16, the same per-lane summation order
+// as the pipelined and ring GEMVs, the same attention code path): for contexts that decode attention
+// does not split, the logits are bit-identical to the `ring` / `rowpipe` kernels'.
+#pragma once
+
+#include "kernels.cuh"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace qwen {
+
+/// One layer's weights as the persistent kernel reads them (device array, one entry per layer).
+struct MegaLayer {
+  const bf16* wqkv = nullptr;       ///< [q_dim + 2 kv_dim][hidden]
+  const bf16* wo = nullptr;         ///< [hidden][q_dim]
+  const bf16* wgu = nullptr;        ///< [2 intermediate][hidden] (gate rows, then up rows)
+  const bf16* wdown = nullptr;      ///< [hidden][intermediate]
+  const bf16* in_norm = nullptr;    ///< [hidden]
+  const bf16* post_norm = nullptr;  ///< [hidden]
+  const bf16* q_norm = nullptr;     ///< [head_dim]
+  const bf16* k_norm = nullptr;     ///< [head_dim]
+};
+
+/// Everything one launch reads; fixed for the engine's lifetime (per-step values come through meta).
+struct MegaParams {
+  const MegaLayer* layers = nullptr;  ///< device array [num_layers]
+  int num_layers = 0;
+  int hidden = 0, q_dim = 0, kv_dim = 0, intermediate = 0, vocab = 0;
+  float eps = 1e-6f;
+  const bf16* embed = nullptr;
+  const bf16* lm_head = nullptr;
+  const bf16* final_norm = nullptr;
+  const float2* rope = nullptr;
+  RowMeta meta;
+  KvPool kv;
+  // Activations as tagged 64-bit words {value bits (low), tag (high)}; tags start at zero.
+  unsigned long long* x = nullptr;     ///< [hidden] residual stream (fp32 values)
+  unsigned long long* qkv = nullptr;   ///< [q_dim + 2 kv_dim] projections (fp32)
+  unsigned long long* attn = nullptr;  ///< [q_dim] attention output (bf16-rounded values)
+  unsigned long long* act = nullptr;   ///< [intermediate] silu(gate) * up (bf16-rounded values)
+  float* logits = nullptr;             ///< [vocab]
+  unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
+  unsigned long long* block_best = nullptr;  ///< [grid] each block's best key
+  unsigned* sync = nullptr;  ///< [2] epoch, blocks exited (zero-initialised once)
+  int slots = 0;             ///< ring slots per warp
+  /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][3] %globaltimer stamps per block and phase
+  /// (entry, input staged, last warp done) of the last step run; nullptr: none recorded.
+  unsigned long long* trace = nullptr;
+};
+
+/// Shared-memory plan and grid of the persistent kernel.
+struct MegaGeometry {
+  int slots = 0;         ///< 2 KiB ring slots per warp
+  std::size_t smem = 0;  ///< dynamic shared memory per block
+  int grid = 0;          ///< blocks: one per SM
+};
+
+/// Whether the persistent kernel is built for (head_dim, query heads per kv head).
+bool mega_supported(int head_dim, int group);
+/// Chooses the rings (as many 2 KiB slots per warp as fit beside the staged activations, at most
+/// max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
+MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);
+/// Launches one decode step of one row (cooperative: every block resident).
+void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s);
+
+}  // namespace qwen
