@@ -254,7 +254,8 @@ int main(int argc, char** argv) {
                  "rowpipe (one GEMV kernel per matrix, software-pipelined loads), rowpipe8 (8 loads in flight), ring (one GEMV kernel per matrix, one block per SM, "
                  "per-warp shared-memory rings filled before the previous kernel ends), legacy (one "
                  "GEMV kernel per matrix, one warp per row), legacy8 (8 loads in flight), step (streaming "
-                 "kernel, one launch per step), layer, phase");
+                 "kernel, one launch per step), layer, phase, mega (bucket 1: one persistent launch per step, "
+                 "activations as tagged words; other buckets: ring)");
   app.add_option("--stream-tile-kb", stream_tile_kb,
                  "streaming kernel: weight KiB per work item, about (default: $QWEN_STREAM_TILE_KB or 40)");
   app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most, 2..8 (default: $QWEN_STREAM_SLOTS or 8)");
