@@ -26,8 +26,9 @@ namespace {
 
 using namespace dev;
 
-constexpr int kMW = 8;                 // warps per block (16 at 128 registers spilled and ran slower)
-constexpr int kMThreads = kMW * 32;
+constexpr int kMW = 8;                 // consumer warps per block (16 at 128 registers spilled and ran slower)
+constexpr int kCThreads = kMW * 32;    // consumer threads
+constexpr int kMThreads = kCThreads + 32;  // + the producer warp
 constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of attention (the per-matrix
                                        // kernels' 8, so that the summation orders match theirs)
 constexpr int kMaxRingSlots = 16;      // slots per warp at most
@@ -81,22 +82,35 @@ __device__ __forceinline__ void settle_all(unsigned long long (&w)[N], int count
 /// words, kPollBatch of them in flight per thread.
 template <class Store>
 __device__ __forceinline__ void poll_range(const unsigned long long* src, int n, unsigned tag, Store&& store) {
-  for (int base = threadIdx.x; base < n; base += kMThreads * kPollBatch) {
+  for (int base = threadIdx.x; base < n; base += kCThreads * kPollBatch) {
     unsigned long long w[kPollBatch];
-    const int count = min(kPollBatch, (n - base + kMThreads - 1) / kMThreads);
+    const int count = min(kPollBatch, (n - base + kCThreads - 1) / kCThreads);
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
-      if (i < count) w[i] = ld_word(src + base + i * kMThreads);
-    settle_all(w, count, tag, [&](int i) { return src + base + i * kMThreads; });
+      if (i < count) w[i] = ld_word(src + base + i * kCThreads);
+    settle_all(w, count, tag, [&](int i) { return src + base + i * kCThreads; });
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
-      if (i < count) store(base + i * kMThreads, word_val(w[i]));
+      if (i < count) store(base + i * kCThreads, word_val(w[i]));
   }
 }
 
 // ------------------------------------------------------------------------------------------------
 // The weight stream
 // ------------------------------------------------------------------------------------------------
+
+/// Barrier of the consumer warps only (the producer warp runs on its own).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kCThreads) : "memory"); }
+
+__device__ __forceinline__ bool mbar_test_wait(unsigned long long* b, unsigned parity) {
+  unsigned ok;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(ok)
+      : "r"(smem_addr(b)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
 
 enum : int { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kLmHead = 4 };
 
@@ -169,7 +183,8 @@ __device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, con
 /// A warp's consuming side of its ring.
 struct Ring {
   bf16* base;
-  unsigned long long* bars;
+  unsigned long long* bars;   // full: the slot's bytes arrived
+  unsigned long long* empty;  // the warp has read the slot (the producer may refill it)
   int slots;
   int s = 0;
   unsigned parity = 0;
@@ -219,12 +234,12 @@ __device__ __forceinline__ void rms_stage(const float* xf, const bf16* w, int K,
     ss = warp_sum(ss);
     if (st.lane == 0) red[st.warp] = ss;
   }
-  __syncthreads();
+  consumer_sync();
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < kAW; ++i) s += red[i];
   const float rs = rsqrtf(s / K + eps);
-  for (int k = st.tid * 8; k < K; k += kMThreads * 8) {
+  for (int k = st.tid * 8; k < K; k += kCThreads * 8) {
     float g[8];
     unpack8(*reinterpret_cast<const uint4*>(w + k), g);
     const float4 a = *reinterpret_cast<const float4*>(xf + k);
@@ -240,7 +255,7 @@ __device__ __forceinline__ void rms_stage(const float* xf, const bf16* w, int K,
 
 /// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
 template <int KIND>
-__device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, Cursor& prod, float* red,
+__device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, float* red,
                            float& best_v, int& best_i) {
   constexpr int R = KIND == kGateUp ? 2 : 1;
   constexpr bool kNorm = KIND == kQkv || KIND == kGateUp || KIND == kLmHead;
@@ -273,27 +288,26 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   unsigned long long xres = 0;
   if (kResidual && st.lane < r1 - r0) xres = ld_word(p.x + r0 + st.lane);
 
-  __syncthreads();  // every warp is done with the work area (previous phase)
+  consumer_sync();  // every warp is done with the work area (previous phase)
   if constexpr (kNorm) {
     poll_range(in_words, K, in_tag, [&](int e, float v) { st.xf[e] = v; });
-    __syncthreads();
+    consumer_sync();
     rms_stage(st.xf, norm_w, K, p.eps, st.xs, red, st);
   } else {
     poll_range(in_words, K, in_tag, [&](int e, float v) { st.xs[e] = __float2bfloat16(v); });  // exact: bf16 values
   }
-  __syncthreads();
+  consumer_sync();
   st.mark(trace_phase, 1);
 
   const int P = (K + kPiece - 1) / kPiece;
-  const unsigned long long pol = evict_first_policy();
   // Registers for the loop's state (the structs may live in local memory when this is not inlined).
   const int lane = st.lane, S = ring.slots;
   const bf16* xs = st.xs;
   bf16* const rbase = ring.base;
   unsigned long long* const bars = ring.bars;
+  unsigned long long* const empty = ring.empty;
   int rs = ring.s;
   unsigned rpar = ring.parity;
-  Cursor c = prod;
   for (int n = r0; n < r1; ++n) {
     float acc[R];
 #pragma unroll
@@ -314,14 +328,12 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
           w[h][u] = k0 + k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
         }
       }
-      // Every lane has read the slots (the loads were issued; a bulk copy's bytes arrive a DRAM round
-      // trip later): refill them with the stream's next pieces. (A fence.proxy.async before the refill
-      // measured no different, H200.)
+      // Every lane has read the slots: release them to the producer warp, which refills them with the
+      // stream's next pieces.
       __syncwarp();
       if (lane == 0) {
 #pragma unroll
-        for (int h = 0; h < R; ++h)
-          cursor_issue(c, p, st.layers, st.g, st.GW, rbase, bars, rs + h < S ? rs + h : rs + h - S, pol);
+        for (int h = 0; h < R; ++h) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
       }
       rs += R;
       if (rs >= S) rs -= S, rpar ^= 1u;
@@ -366,7 +378,6 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     }
   }
   ring.s = rs, ring.parity = rpar;
-  prod = c;
   st.mark(trace_phase, 2);
 }
 
@@ -415,7 +426,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
     }
   }
   st.mark(phase_att(l), 0);
-  __syncthreads();  // every warp is done with the work area (previous phase)
+  consumer_sync();  // every warp is done with the work area (previous phase)
 
   const unsigned qkv_tag = st.tag(phase_qkv(l));
   const float2* rope_row = p.rope + std::size_t(pos) * (D / 2);
@@ -467,7 +478,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
       }
     }
   }
-  __syncthreads();
+  consumer_sync();
   st.mark(phase_att(l), 1);
 
   float q[G][DPL];
@@ -559,9 +570,9 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
       for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = acc[h][j];
     }
   }
-  __syncthreads();
+  consumer_sync();
   const unsigned out_tag = st.tag(phase_att(l));
-  for (int idx = tid; idx < G * D; idx += kMThreads) {
+  for (int idx = tid; idx < G * D; idx += kCThreads) {
     const int h = idx / D, d = idx % D;
     float mx = -INFINITY;
 #pragma unroll
@@ -588,11 +599,44 @@ std::size_t attention_scratch() {
   return sizeof(float) * (GA * D + 2 * kAW * GA + kAW * GA * D) + 2 * D * sizeof(bf16);
 }
 
+/// The producer warp: lane w < kMW keeps consumer warp w's ring full, the stream's first `slots`
+/// pieces at once, then each next piece as soon as the warp releases the slot it goes into. The
+/// lanes poll their "empty" barriers together (non-blocking), so one lane's wait never holds another.
+__device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned char* smem,
+                        unsigned long long (*full)[kMaxRingSlots], unsigned long long (*empty)[kMaxRingSlots], int S,
+                        int lane) {
+  const int GW = gridDim.x * kMW, g = blockIdx.x * kMW + lane, end = 4 * p.num_layers;
+  const unsigned long long pol = evict_first_policy();
+  bool active = lane < kMW;
+  Cursor c{};
+  bf16* base = nullptr;
+  if (active) {
+    base = reinterpret_cast<bf16*>(smem) + std::size_t(lane) * S * kPiece;
+    c.j = 0;
+    cursor_seek(c, p, layers, g, GW);
+    for (int s = 0; s < S; ++s) cursor_issue(c, p, layers, g, GW, base, full[lane], s, pol);
+    active = c.j <= end;
+  }
+  int s = 0;
+  unsigned parity = 0;
+  while (__any_sync(0xffffffffu, active)) {
+    bool issued = false;
+    if (active && mbar_test_wait(empty[lane] + s, parity)) {
+      cursor_issue(c, p, layers, g, GW, base, full[lane], s, pol);
+      if (++s == S) s = 0, parity ^= 1u;
+      active = c.j <= end;
+      issued = true;
+    }
+    if (!__any_sync(0xffffffffu, issued)) __nanosleep(32);
+  }
+}
+
 template <int D, int G>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
   constexpr int GA = attention_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ unsigned long long bars[kMW][kMaxRingSlots];
+  __shared__ unsigned long long bars[kMW][kMaxRingSlots];   // full
+  __shared__ unsigned long long empty[kMW][kMaxRingSlots];  // released by the consumer warp
   __shared__ float red[kMW];
   __shared__ unsigned long long red_key[kMW];
   static_assert(sizeof(MegaLayer) % 8 == 0, "the layer table is copied in 8-byte words");
@@ -602,6 +646,11 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   if (p.num_layers <= kSmemLayers)
     for (int i = tid; i < p.num_layers * static_cast<int>(sizeof(MegaLayer) / 8); i += kMThreads)
       reinterpret_cast<unsigned long long*>(layers_s)[i] = reinterpret_cast<const unsigned long long*>(p.layers)[i];
+  if (tid == 0) {
+    for (int w = 0; w < kMW; ++w)
+      for (int s = 0; s < S; ++s) mbar_init(&bars[w][s], 1), mbar_init(&empty[w][s], 1);
+    mbar_fence_init();
+  }
   __syncthreads();
 
   Step st;
@@ -617,18 +666,10 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   const int kmax = max(p.hidden, max(p.q_dim, p.intermediate));
   st.xf = reinterpret_cast<float*>(st.work + (std::size_t(kmax) * sizeof(bf16) + 15) / 16 * 16);
 
-  // Start the warp's weight stream (weights never depend on activations).
-  Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * kPiece, bars[warp], S};
-  Cursor prod{};
-  if (lane == 0) {
-    for (int s = 0; s < S; ++s) mbar_init(ring.bars + s, 1);
-    mbar_fence_init();
-    prod.j = 0;
-    cursor_seek(prod, p, st.layers, st.g, st.GW);
-    const unsigned long long pol = evict_first_policy();
-    for (int s = 0; s < S; ++s) cursor_issue(prod, p, st.layers, st.g, st.GW, ring.base, ring.bars, s, pol);
-  }
-  __syncwarp();
+  if (warp == kMW) {  // the producer warp: the weight streams (weights never depend on activations)
+    produce(p, st.layers, smem, bars, empty, S, lane);
+  } else {
+  Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * kPiece, bars[warp], empty[warp], S};
 
   // Embedding of the row's token: this block's slice of x.
   {
@@ -636,7 +677,7 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
     tok = tok < 0 ? 0 : (tok >= p.vocab ? p.vocab - 1 : tok);  // validated on the host; stay in bounds
     const int e0 = row_split(blockIdx.x, p.hidden, gridDim.x), e1 = row_split(blockIdx.x + 1, p.hidden, gridDim.x);
     const unsigned tag = st.tag(0);
-    for (int e = e0 + tid; e < e1; e += kMThreads)
+    for (int e = e0 + tid; e < e1; e += kCThreads)
       st_word(p.x + e, __bfloat162float(p.embed[std::size_t(tok) * p.hidden + e]), tag);
   }
 
@@ -644,18 +685,19 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   int best_i = 0x7fffffff;
   const int kv_heads = p.kv.kv_heads;
   for (int l = 0; l < p.num_layers; ++l) {
-    gemv_phase<kQkv>(p, l, st, ring, prod, red, best_v, best_i);
+    gemv_phase<kQkv>(p, l, st, ring, red, best_v, best_i);
     for (int it = 0; it < kv_heads * (G / GA); ++it)  // item it runs on block it * grid / items
       if (static_cast<int>(blockIdx.x) == row_split(it, gridDim.x, kv_heads * (G / GA)))
         attention_phase<D, GA>(p, l, it / (G / GA), it % (G / GA) * GA, G, st);
-    gemv_phase<kO>(p, l, st, ring, prod, red, best_v, best_i);
-    gemv_phase<kGateUp>(p, l, st, ring, prod, red, best_v, best_i);
-    gemv_phase<kDown>(p, l, st, ring, prod, red, best_v, best_i);
+    gemv_phase<kO>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kGateUp>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kDown>(p, l, st, ring, red, best_v, best_i);
   }
-  gemv_phase<kLmHead>(p, 0, st, ring, prod, red, best_v, best_i);
+  gemv_phase<kLmHead>(p, 0, st, ring, red, best_v, best_i);
 
   // Argmax: the block's best key, then the last block out reduces them and ends the epoch.
   if (lane == 0) red_key[warp] = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
+  }
   __syncthreads();
   if (tid == 0) {
     unsigned long long k = 0;
