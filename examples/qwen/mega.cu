@@ -308,7 +308,85 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   unsigned long long* const empty = ring.empty;
   int rs = ring.s;
   unsigned rpar = ring.parity;
-  for (int n = r0; n < r1; ++n) {
+  // Row n is complete (sums of the whole warp in a0, and the up row's in a1 for gate/up): its epilogue.
+  auto finish = [&](int n, float a0, [[maybe_unused]] float a1) {
+    [[maybe_unused]] float xo = 0.f;
+    if constexpr (kResidual) {
+      const int at = n - r0;
+      const unsigned long long wv = __shfl_sync(0xffffffffu, xres, at & 31);
+      if (lane == 0) xo = at < 32 ? settle(p.x + n, wv, res_tag) : settle(p.x + n, ld_word(p.x + n), res_tag);
+    }
+    if (lane == 0) {
+      if constexpr (KIND == kQkv) {
+        st_word(p.qkv + n, a0, out_tag);
+      } else if constexpr (kResidual) {
+        st_word(p.x + n, xo + a0, out_tag);
+      } else if constexpr (KIND == kGateUp) {
+        st_word(p.act + n, __bfloat162float(__float2bfloat16(a0 / (1.f + __expf(-a0)) * a1)), out_tag);
+      } else {
+        p.logits[n] = a0;
+        if (a0 > best_v) best_v = a0, best_i = n;
+      }
+    }
+  };
+  int n = r0;
+  if constexpr (R == 1) {
+    if (K <= kPiece) {
+      // One piece per row: two rows at a time (consecutive slots, two independent FMA chains, the
+      // same order within each row), x unpacked once into registers for every row of the phase.
+      float xr[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int k = u * 256 + lane * 8;
+        if (k < K) unpack8(*reinterpret_cast<const uint4*>(xs + k), xr[u]);
+        else
+#pragma unroll
+          for (int e = 0; e < 8; ++e) xr[u][e] = 0.f;
+      }
+      for (; n + 1 < r1; n += 2) {
+        uint4 w[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          int s = rs + i;
+          unsigned parity = rpar;
+          if (s >= S) s -= S, parity ^= 1u;
+          mbar_wait(bars + s, parity, s);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const bf16* slot = rbase + std::size_t(rs + i < S ? rs + i : rs + i - S) * kPiece;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int k = u * 256 + lane * 8;
+            w[i][u] = k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive(empty + rs);
+          mbar_arrive(empty + (rs + 1 < S ? rs + 1 : rs + 1 - S));
+        }
+        rs += 2;
+        if (rs >= S) rs -= S, rpar ^= 1u;
+        float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (u * 256 + lane * 8 < K) {
+            float w0[8], w1[8];
+            unpack8(w[0][u], w0);
+            unpack8(w[1][u], w1);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a0 = fmaf(w0[e], xr[u][e], a0), a1 = fmaf(w1[e], xr[u][e], a1);
+          }
+        }
+        a0 = warp_sum(a0);
+        a1 = warp_sum(a1);
+        finish(n, a0, 0.f);
+        finish(n + 1, a1, 0.f);
+      }
+    }
+  }
+  for (; n < r1; ++n) {
     float acc[R];
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = 0.f;
@@ -357,25 +435,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     }
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = warp_sum(acc[h]);
-    [[maybe_unused]] float xo = 0.f;
-    if constexpr (kResidual) {
-      const int at = n - r0;
-      const unsigned long long wv = __shfl_sync(0xffffffffu, xres, at & 31);
-      if (st.lane == 0) xo = at < 32 ? settle(p.x + n, wv, res_tag) : settle(p.x + n, ld_word(p.x + n), res_tag);
-    }
-    if (st.lane == 0) {
-      if constexpr (KIND == kQkv) {
-        st_word(p.qkv + n, acc[0], out_tag);
-      } else if constexpr (kResidual) {
-        st_word(p.x + n, xo + acc[0], out_tag);
-      } else if constexpr (KIND == kGateUp) {
-        const float g = acc[0];
-        st_word(p.act + n, __bfloat162float(__float2bfloat16(g / (1.f + __expf(-g)) * acc[R - 1])), out_tag);
-      } else {
-        p.logits[n] = acc[0];
-        if (acc[0] > best_v) best_v = acc[0], best_i = n;
-      }
-    }
+    finish(n, acc[0], acc[R - 1]);
   }
   ring.s = rs, ring.parity = rpar;
   st.mark(trace_phase, 2);
