@@ -32,7 +32,8 @@ constexpr int kMThreads = kCThreads + 32;  // + the producer warp
 constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of attention (the per-matrix
                                        // kernels' 8, so that the summation orders match theirs)
 constexpr int kMaxRingSlots = 16;      // slots per warp at most
-constexpr int kPiece = 1024;           // weights per slot (2 KiB of bf16)
+constexpr int kChunk = 1024;           // weights per lane-chunk (the per-matrix GEMVs' summation unit)
+constexpr int kPiece = 2 * kChunk;     // weights per slot (4 KiB of bf16; 2 KiB slots measured slower)
 constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging
 constexpr int kSmemLayers = 64;        // layer tables up to this long are copied to shared memory
 
@@ -331,7 +332,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   };
   int n = r0;
   if constexpr (R == 1) {
-    if (K <= kPiece) {
+    if (K <= kChunk) {
       // One piece per row: two rows at a time (consecutive slots, two independent FMA chains, the
       // same order within each row), x unpacked once into registers for every row of the phase.
       float xr[4][8];
@@ -392,18 +393,40 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     for (int h = 0; h < R; ++h) acc[h] = 0.f;
     for (int piece = 0; piece < P; ++piece) {
       const int k0 = piece * kPiece;
-      uint4 w[R][4];
 #pragma unroll
-      for (int h = 0; h < R; ++h) {
-        int s = rs + h;  // the gate and up pieces: consecutive slots
+      for (int h = 0; h < R; ++h) {  // the gate and up pieces: consecutive slots
+        int s = rs + h;
         unsigned parity = rpar;
         if (s >= S) s -= S, parity ^= 1u;
         mbar_wait(bars + s, parity, s);
-        const bf16* slot = rbase + std::size_t(s) * kPiece;
+      }
+      // The per-matrix kernels' order: 1024-wide chunks, then u, then the 8 weights of a 16-byte load
+      // (the gate and up rows are independent chains).
+      for (int c = 0; c < kPiece / kChunk && k0 + c * kChunk < K; ++c) {
+        uint4 w[R][4];
+#pragma unroll
+        for (int h = 0; h < R; ++h) {
+          const bf16* slot = rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * kPiece + c * kChunk;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int k = u * 256 + lane * 8;
+            w[h][u] = k0 + c * kChunk + k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
+          }
+        }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const int k = u * 256 + lane * 8;
-          w[h][u] = k0 + k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
+          const int k = k0 + c * kChunk + u * 256 + lane * 8;
+          if (k < K) {
+            float xv[8];
+            unpack8(*reinterpret_cast<const uint4*>(xs + k), xv);
+#pragma unroll
+            for (int h = 0; h < R; ++h) {
+              float wf[8];
+              unpack8(w[h][u], wf);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[h] = fmaf(wf[e], xv[e], acc[h]);
+            }
+          }
         }
       }
       // Every lane has read the slots: release them to the producer warp, which refills them with the
@@ -415,23 +438,6 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
       rs += R;
       if (rs >= S) rs -= S, rpar ^= 1u;
-      // The per-matrix kernels' order: pieces, then u, then the 8 weights of a 16-byte load (the gate
-      // and up rows are independent chains).
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int k = k0 + u * 256 + lane * 8;
-        if (k < K) {
-          float xv[8];
-          unpack8(*reinterpret_cast<const uint4*>(xs + k), xv);
-#pragma unroll
-          for (int h = 0; h < R; ++h) {
-            float wf[8];
-            unpack8(w[h][u], wf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[h] = fmaf(wf[e], xv[e], acc[h]);
-          }
-        }
-      }
     }
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = warp_sum(acc[h]);
@@ -825,6 +831,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
                                           work));
   MegaGeometry g;
   g.slots = static_cast<int>(slots);
+  g.slot_bytes = kPiece * static_cast<int>(sizeof(bf16));
   g.smem = std::size_t(kMW) * g.slots * kPiece * sizeof(bf16) + work;
   REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
   int per_sm = 0;

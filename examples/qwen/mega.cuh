@@ -6,7 +6,7 @@
 // the streaming kernel (stream.cuh):
 //
 // * Weights stream per warp. Each GEMV phase's rows are split evenly over the grid's warps; a warp's
-//   rows of every phase, in phase order, form one stream of 2 KiB pieces that its lane 0 copies into
+//   rows of every phase, in phase order, form one stream of 4 KiB pieces that a producer warp copies into
 //   the warp's ring of shared-memory slots (cp.async.bulk, one mbarrier per slot) as soon as a slot
 //   is free. Weights never depend on activations, so the rings run ahead across phase and layer
 //   boundaries: while a phase waits for the previous one, the next phases' weights keep arriving.
@@ -77,14 +77,15 @@ struct MegaParams {
 
 /// Shared-memory plan and grid of the persistent kernel.
 struct MegaGeometry {
-  int slots = 0;         ///< 2 KiB ring slots per warp
+  int slots = 0;         ///< ring slots per warp
+  int slot_bytes = 0;    ///< bytes of one slot
   std::size_t smem = 0;  ///< dynamic shared memory per block
   int grid = 0;          ///< blocks: one per SM
 };
 
 /// Whether the persistent kernel is built for (head_dim, query heads per kv head).
 bool mega_supported(int head_dim, int group);
-/// Chooses the rings (as many 2 KiB slots per warp as fit beside the staged activations, at most
+/// Chooses the rings (as many slots per warp as fit beside the staged activations, at most
 /// max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);
 /// Launches one decode step of one row (cooperative: every block resident).

@@ -485,9 +485,9 @@ struct Engine::Impl {
   [[nodiscard]] std::string describe_kernels() const {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
     if (opt.kernels == decode_kernels::mega)
-      return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of 2 KiB per warp, smem {} KiB; "
+      return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB; "
                                        "other buckets: ring)",
-                                       mega_geo.grid, mega_geo.slots, mega_geo.smem / 1024.0)
+                                       mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0)
                      : s + " (shape not supported by the persistent kernel: ring kernels)";
     if (!streaming())
       return s + (opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8
