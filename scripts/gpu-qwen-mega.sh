@@ -1,18 +1,46 @@
 #!/usr/bin/env bash
-# The persistent kernel (--kernels mega) on the GPU machine: its GPU tests, then an A/B bench against
-# the ring kernels. From the repo root, after `source .deps/tools/env.sh`:
-#   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests|bench|all]
+# The persistent kernel (--kernels mega) on the GPU machine. From the repo root, after
+# `source .deps/tools/env.sh`:
+#   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests] [sanitize] [bench] [longctx]   (default: all four)
+# tests:    the whole GPU test (every decode-kernel variant, mega included);
+# sanitize: memcheck of the GPU test cases that run mega, racecheck of the CLI with mega;
+# bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace;
+# longctx:  mega and ring after a 2000-token prompt.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
 bin=${BIN_DIR:-build-gpu-qwen/examples/qwen}
-stage=${1:-all}
+stages=${*:-tests sanitize bench longctx}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  QWEN_TEST_KERNELS=mega timeout 300 "$bin/qwen_gpu" -tc='the persistent kernel*,eager and graph*,padding rows*' \
-    >"$out/mega_tests.log" 2>&1
-  echo "tests exit $?"; tail -4 "$out/mega_tests.log"; grep -E "ERROR|error|FAIL" "$out/mega_tests.log" | head -20
-fi
-if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  KERNELS="${KERNELS:-mega ring}" ROUNDS=${ROUNDS:-1} BIN_DIR="$bin" bash scripts/gpu-qwen-ab.sh
-fi
+for stage in $stages; do
+  case $stage in
+    tests)
+      timeout 400 "$bin/qwen_gpu" >"$out/mega_tests.log" 2>&1
+      echo "tests exit $?"; grep -E "doctest\] (test cases|assertions)" "$out/mega_tests.log" ;;
+    sanitize)
+      QWEN_TEST_KERNELS=mega timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu" \
+        -tc='the persistent kernel*,eager and graph*,padding rows*' >"$out/mega_memcheck.log" 2>&1
+      echo "memcheck exit $?"; grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck.log"
+      timeout 150 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
+        --random-prompt 12 --gen 6 --batch 1 --mode both --kernels mega >"$out/mega_racecheck.log" 2>&1
+      echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck.log" ;;
+    bench)
+      KERNELS="${KERNELS:-mega ring}" ROUNDS=${ROUNDS:-2} BIN_DIR="$bin" bash scripts/gpu-qwen-ab.sh
+      for shape in qwen3-0.6b qwen3-4b; do
+        kv=4096; [ "$shape" = qwen3-4b ] && kv=8192
+        QWEN_MEGA_TRACE=1 timeout 150 "$bin/qwen" --preset "$shape" --bench --random-prompt 16 --gen 128 \
+          --bench-batches 1 --kv-mem-mb $kv --kernels mega >"$out/mega_trace_$shape.log" 2>&1
+        grep -E "^\| (eager|graph) |mega trace|^  [a-z]" "$out/mega_trace_$shape.log"
+      done ;;
+    longctx)
+      for shape in qwen3-0.6b qwen3-4b; do
+        kv=4096; [ "$shape" = qwen3-4b ] && kv=8192
+        for k in mega ring; do
+          timeout 150 "$bin/qwen" --preset "$shape" --bench --random-prompt 2000 --gen 64 --bench-batches 1 \
+            --kv-mem-mb $kv --kernels $k >"$out/mega_long_${shape}_$k.log" 2>&1
+          echo "2000-token prompt $shape $k: $(grep -E '^\| graph ' "$out/mega_long_${shape}_$k.log" | head -1 | tr -s ' ')"
+        done
+      done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
