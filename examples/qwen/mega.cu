@@ -362,11 +362,10 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
             w[i][u] = k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
           }
         }
-        __syncwarp();
-        if (lane == 0) {
-          mbar_arrive(empty + rs);
-          mbar_arrive(empty + (rs + 1 < S ? rs + 1 : rs + 1 - S));
-        }
+        // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes): the
+        // producer's refill then follows each lane's reads.
+        mbar_arrive(empty + rs);
+        mbar_arrive(empty + (rs + 1 < S ? rs + 1 : rs + 1 - S));
         rs += 2;
         if (rs >= S) rs -= S, rpar ^= 1u;
         float a0 = 0.f, a1 = 0.f;
@@ -429,13 +428,10 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
           }
         }
       }
-      // Every lane has read the slots: release them to the producer warp, which refills them with the
-      // stream's next pieces.
-      __syncwarp();
-      if (lane == 0) {
+      // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes); the
+      // producer warp then refills them with the stream's next pieces.
 #pragma unroll
-        for (int h = 0; h < R; ++h) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
-      }
+      for (int h = 0; h < R; ++h) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
       rs += R;
       if (rs >= S) rs -= S, rpar ^= 1u;
     }
@@ -688,6 +684,9 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   while (__any_sync(0xffffffffu, active)) {
     bool issued = false;
     if (active && mbar_test_wait(empty[lane] + s, parity)) {
+      // The consumer lanes' reads of the slot (generic proxy) are ordered before the bulk copy that
+      // overwrites it (async proxy): the barrier's release/acquire, then a proxy fence.
+      fence_proxy_async();
       cursor_issue(c, p, layers, g, GW, base, full[lane], s, pol);
       if (++s == S) s = 0, parity ^= 1u;
       active = c.j <= end;
@@ -714,7 +713,7 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
       reinterpret_cast<unsigned long long*>(layers_s)[i] = reinterpret_cast<const unsigned long long*>(p.layers)[i];
   if (tid == 0) {
     for (int w = 0; w < kMW; ++w)
-      for (int s = 0; s < S; ++s) mbar_init(&bars[w][s], 1), mbar_init(&empty[w][s], 1);
+      for (int s = 0; s < S; ++s) mbar_init(&bars[w][s], 1), mbar_init(&empty[w][s], 32);
     mbar_fence_init();
   }
   __syncthreads();
