@@ -5,10 +5,10 @@
 // residual, gate/up + SiLU, down + residual; lm_head + argmax). Two things make it different from
 // the streaming kernel (stream.cuh):
 //
-// * Weights stream per warp. Each GEMV phase's rows are split evenly over the grid's warps; a warp's
-//   rows of every phase, in phase order, form one stream of 4 KiB pieces that a producer warp copies into
-//   the warp's ring of shared-memory slots (cp.async.bulk, one mbarrier per slot) as soon as a slot
-//   is free. Weights never depend on activations, so the rings run ahead across phase and layer
+// * Weights stream per warp. Each GEMV phase's rows are split evenly over the grid's consumer warps;
+//   a warp's rows of every phase, in phase order, form one stream of 4 KiB pieces that the block's
+//   producer warp copies into the warp's ring of shared-memory slots (cp.async.bulk, one mbarrier per
+//   slot) as soon as the warp frees a slot. Weights never depend on activations, so the rings run ahead across phase and layer
 //   boundaries: while a phase waits for the previous one, the next phases' weights keep arriving.
 // * Phases hand activations over without fences. A gpu-scope fence (and so every release) waits for
 //   all the bulk copies its block has in flight (H200: 4.4 us with 192 KiB in flight; 0.3 us with
@@ -26,7 +26,15 @@
 //
 // Arithmetic is that of the per-matrix kernels (x rounded to bf16, the same per-lane summation order
 // as the pipelined and ring GEMVs, the same attention code path): for contexts that decode attention
-// does not split, the logits are bit-identical to the `ring` / `rowpipe` kernels'.
+// does not split, the logits are bit-identical to the `ring` / `rowpipe` kernels'. Attention is not
+// split over blocks here (one block per kv head and query-head pair), so long contexts are slow
+// (docs/perf-notes.md, seventh round).
+//
+// Example (what model.cu does for bucket 1):
+//   MegaParams p = ...;                                   // weights, metadata, tagged buffers, counters
+//   const MegaGeometry g = mega_geometry(p, head_dim, group, 16, num_sms);
+//   p.slots = g.slots;
+//   launch_mega(p, head_dim, group, g, stream);          // one step; capturable in a graph
 #pragma once
 
 #include "kernels.cuh"
