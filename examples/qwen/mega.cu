@@ -738,8 +738,10 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   st.trace = p.trace;
   st.work = smem + std::size_t(kMW) * S * kPiece * sizeof(bf16);
   st.xs = reinterpret_cast<bf16*>(st.work);
-  const int kmax = max(p.hidden, max(p.q_dim, p.intermediate));
-  st.xf = reinterpret_cast<float*>(st.work + (std::size_t(kmax) * sizeof(bf16) + 15) / 16 * 16);
+  // xf (the residual row) is only used by the phases with an RMSNorm, whose x has `hidden` values: it
+  // starts after those, over the part of xs that only the wider inputs (attention output, SiLU
+  // product) use.
+  st.xf = reinterpret_cast<float*>(st.work + (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16);
 
   if (warp == kMW) {  // the producer warp: the weight streams (weights never depend on activations)
     produce(p, st.layers, smem, bars, empty, S, lane);
@@ -829,7 +831,8 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   cudaFuncAttributes fa{};
   REPLAY_CHECK(cudaFuncGetAttributes(&fa, k));
   const std::size_t kmax = std::max({p.hidden, p.q_dim, p.intermediate});
-  const std::size_t stage = (kmax * sizeof(bf16) + 15) / 16 * 16 + std::size_t(p.hidden) * sizeof(float);
+  const std::size_t stage = std::max(kmax * sizeof(bf16),
+                                     (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16 + std::size_t(p.hidden) * sizeof(float));
   const std::size_t work = (std::max(stage, scratch(head_dim, group)) + 127) / 128 * 128;
   const long long avail = static_cast<long long>(optin) - static_cast<long long>(fa.sharedSizeBytes) -
                           static_cast<long long>(work) - 1024;
