@@ -696,7 +696,8 @@ std::size_t Engine::buffer_bytes() const {
   return m.residual.size_bytes() + m.xn.size_bytes() + m.qkv.size_bytes() + m.attn.size_bytes() + m.gu.size_bytes() +
          m.act.size_bytes() + m.logits.size_bytes() + m.keys.size_bytes() + m.rope.size_bytes() +
          m.block_table.size_bytes() + m.cublas_ws.size_bytes() + 3 * sizeof(std::int32_t) * m.max_rows +
-         m.attn_partial.size_bytes() + m.attn_arrived.size_bytes();
+         m.attn_partial.size_bytes() + m.attn_arrived.size_bytes() + m.mega_layers.size_bytes() +
+         m.mega_words.size_bytes() + m.mega_best.size_bytes() + m.mega_sync.size_bytes() + m.mega_trace.size_bytes();
 }
 
 int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<float> logits) {
