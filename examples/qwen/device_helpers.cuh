@@ -128,6 +128,75 @@ __device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, fl
   nr.apply(eps, lo, hi);
 }
 
+/// Decode attention's per-lane state for G query heads (8 lanes per token, DPL dims per lane): running
+/// max m, sum l and unnormalised output acc of an online softmax. `add` takes one token's K/V (this
+/// lane's DPL dims as NV uint4 of bf16; `valid` false: a lane group past the context, which still
+/// takes part in the shuffles); `combine_groups` merges the warp's 4 lane groups (lanes 8 and 16
+/// apart). Shared by the per-matrix attention kernel and the persistent kernel, so that their results
+/// are bit-identical.
+template <int G, int DPL>
+struct SoftmaxState {
+  static constexpr int NV = DPL / 8;
+  float m[G], l[G], acc[G][DPL];
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      m[h] = -INFINITY, l[h] = 0.f;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
+    }
+  }
+  __device__ __forceinline__ void add(const float (&q)[G][DPL], const uint4 (&kr)[NV], const uint4 (&vr)[NV],
+                                      bool valid) {
+    float kf[DPL], vf[DPL];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) unpack8(kr[i], kf + 8 * i), unpack8(vr[i], vf + 8 * i);
+    float s[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      d += __shfl_xor_sync(0xffffffffu, d, 4);
+      s[h] = d;
+    }
+    if (valid) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float mn = fmaxf(m[h], s[h]);
+        const float corr = __expf(m[h] - mn);  // m = -inf -> 0
+        const float p = __expf(s[h] - mn);
+        l[h] = l[h] * corr + p;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j] * corr);
+        m[h] = mn;
+      }
+    }
+  }
+  __device__ __forceinline__ void combine_groups() {
+#pragma unroll
+    for (int o = 8; o <= 16; o <<= 1) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
+        const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
+        const float mn = fmaxf(m[h], mo);
+        const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
+        const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
+        l[h] = l[h] * a + lo * b;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) {
+          const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
+          acc[h][j] = acc[h][j] * a + ao * b;
+        }
+        m[h] = mn;
+      }
+    }
+  }
+};
+
 constexpr unsigned long long kStuckNs = 10'000'000'000ull;  // a wait this long is a bug: trap
 
 // ------------------------------------------------------------------------------------------------

@@ -764,13 +764,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h][sub * DPL + j];
-  float m[G], l[G], acc[G][DPL];
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    m[h] = -INFINITY, l[h] = 0.f;
-#pragma unroll
-    for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
-  }
+  SoftmaxState<G, DPL> sm;
+  sm.init();
 
   for (int base = begin + warp * 4; base < end; base += kAttnWarps * 4 * T) {
     bool valid[T];
@@ -796,61 +791,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
       }
     }
 #pragma unroll
-    for (int u = 0; u < T; ++u) {
-      float kf[DPL], vf[DPL];
-#pragma unroll
-      for (int i = 0; i < NV; ++i) unpack8(kr[u][i], kf + 8 * i), unpack8(vr[u][i], vf + 8 * i);
-      float s[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        float d = 0.f;
-#pragma unroll
-        for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        d += __shfl_xor_sync(0xffffffffu, d, 4);
-        s[h] = d;
-      }
-      if (valid[u]) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          const float mn = fmaxf(m[h], s[h]);
-          const float corr = __expf(m[h] - mn);  // m = -inf -> 0
-          const float p = __expf(s[h] - mn);
-          l[h] = l[h] * corr + p;
-#pragma unroll
-          for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(p, vf[j], acc[h][j] * corr);
-          m[h] = mn;
-        }
-      }
-    }
+    for (int u = 0; u < T; ++u) sm.add(q, kr[u], vr[u], valid[u]);
   }
   const unsigned long long t_loop = trace != nullptr ? global_ns() : 0;
   // Combine the 4 lane groups of the warp.
-#pragma unroll
-  for (int o = 8; o <= 16; o <<= 1) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-      const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
-      const float mn = fmaxf(m[h], mo);
-      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
-      const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
-      l[h] = l[h] * a + lo * b;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) {
-        const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
-        acc[h][j] = acc[h][j] * a + ao * b;
-      }
-      m[h] = mn;
-    }
-  }
+  sm.combine_groups();
   if (grp == 0) {
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-      if (sub == 0) red_m[warp][h] = m[h], red_l[warp][h] = l[h];
+      if (sub == 0) red_m[warp][h] = sm.m[h], red_l[warp][h] = sm.l[h];
 #pragma unroll
-      for (int j = 0; j < DPL; ++j) red_acc[warp][h][sub * DPL + j] = acc[h][j];
+      for (int j = 0; j < DPL; ++j) red_acc[warp][h][sub * DPL + j] = sm.acc[h][j];
     }
   }
   __syncthreads();

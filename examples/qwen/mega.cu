@@ -558,13 +558,8 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h * D + sub * DPL + j];
-  float m[G], lsum[G], acc[G][DPL];
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    m[h] = -INFINITY, lsum[h] = 0.f;
-#pragma unroll
-    for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
-  }
+  SoftmaxState<G, DPL> sm;
+  sm.init();
   for (int base = warp * 4; worker && base < seq_len; base += kAW * 4 * T) {
     bool valid[T];
 #pragma unroll
@@ -587,59 +582,15 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
       }
     }
 #pragma unroll
-    for (int u = 0; u < T; ++u) {
-      float kf[DPL], vf[DPL];
-#pragma unroll
-      for (int i = 0; i < NV; ++i) unpack8(kr[u][i], kf + 8 * i), unpack8(vr[u][i], vf + 8 * i);
-      float sc[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        float d = 0.f;
-#pragma unroll
-        for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        d += __shfl_xor_sync(0xffffffffu, d, 4);
-        sc[h] = d;
-      }
-      if (valid[u]) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          const float mn = fmaxf(m[h], sc[h]);
-          const float corr = __expf(m[h] - mn);
-          const float pr = __expf(sc[h] - mn);
-          lsum[h] = lsum[h] * corr + pr;
-#pragma unroll
-          for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j] * corr);
-          m[h] = mn;
-        }
-      }
-    }
+    for (int u = 0; u < T; ++u) sm.add(q, kr[u], vr[u], valid[u]);
   }
-#pragma unroll
-  for (int o = 8; o <= 16; o <<= 1) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-      const float lo = __shfl_xor_sync(0xffffffffu, lsum[h], o);
-      const float mn = fmaxf(m[h], mo);
-      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
-      const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
-      lsum[h] = lsum[h] * a + lo * b;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) {
-        const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
-        acc[h][j] = acc[h][j] * a + ao * b;
-      }
-      m[h] = mn;
-    }
-  }
+  sm.combine_groups();
   if (worker && grp == 0) {
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-      if (sub == 0) red_m[warp * G + h] = m[h], red_l[warp * G + h] = lsum[h];
+      if (sub == 0) red_m[warp * G + h] = sm.m[h], red_l[warp * G + h] = sm.l[h];
 #pragma unroll
-      for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = acc[h][j];
+      for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = sm.acc[h][j];
     }
   }
   consumer_sync();
