@@ -113,16 +113,6 @@ __device__ __forceinline__ void poll_range(const unsigned long long* src, int n,
 /// Barrier of the consumer warps only (the producer warp runs on its own).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kCThreads) : "memory"); }
 
-__device__ __forceinline__ bool mbar_test_wait(unsigned long long* b, unsigned parity) {
-  unsigned ok;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(ok)
-      : "r"(smem_addr(b)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-
 enum : int { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kLmHead = 4 };
 
 struct MegaGemv {

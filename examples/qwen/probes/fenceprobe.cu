@@ -7,25 +7,20 @@
 // SM in flight on all 132 SMs. This is why the persistent kernel (mega.cu) hands activations over
 // in tagged words instead of flags published with release semantics.
 //   qwen_fence_probe            (no arguments; prints one line per case)
+#include "../device_helpers.cuh"
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-#include <algorithm>
 #include <cuda_runtime.h>
+
+using namespace qwen::dev;
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 
-__device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned c) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(b)), "r"(c) : "memory"); }
-__device__ __forceinline__ void arrive_tx(unsigned long long* b, unsigned bytes) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(b)), "r"(bytes) : "memory"); }
-__device__ __forceinline__ bool try_wait(unsigned long long* b, unsigned par) {
-  unsigned ok; asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(ok) : "r"(sa(b)), "r"(par) : "memory"); return ok; }
-__device__ __forceinline__ void bulk(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(bar)) : "memory"); }
 __device__ __forceinline__ unsigned ld_acq(const unsigned* p) { unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-__device__ __forceinline__ unsigned ld_rlx(const unsigned* p) { unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-__device__ __forceinline__ void red_rel(unsigned* p, unsigned v) { asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
 __device__ __forceinline__ void red_rlx(unsigned* p, unsigned v) { asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
-__device__ __forceinline__ unsigned long long gns() { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 
 // mode 0: fence.acq_rel.gpu timing; mode 1: grid barrier (red.release + ld.acquire spin); mode 2: grid barrier
 // with relaxed red after fence + relaxed spin + fence; S bytes of bulk copies issued just before.
@@ -34,39 +29,39 @@ __global__ void probe(const char* src, size_t src_bytes, unsigned bytes, int ite
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long bar;
   const int tid = threadIdx.x;
-  if (tid == 0) { mbar_init(&bar, 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+  if (tid == 0) { mbar_init(&bar, 1); mbar_fence_init(); }
   __syncthreads();
   for (int it = 0; it < iters; ++it) {
     if (tid == 32) {
       if (bytes) {
-        arrive_tx(&bar, bytes);
+        mbar_arrive_tx(&bar, bytes);
         size_t off = ((size_t)(it * gridDim.x + blockIdx.x) * bytes) % (src_bytes - bytes);
         off &= ~size_t(127);
-        for (unsigned b = 0; b < bytes; b += 16384) bulk(smem + b, src + off + b, min(16384u, bytes - b), &bar);
+        for (unsigned b = 0; b < bytes; b += 16384) bulk_load(smem + b, src + off + b, min(16384u, bytes - b), &bar);
       } else {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(&bar)) : "memory");
+        mbar_arrive(&bar);
       }
     }
     __syncthreads();
     if (tid == 0) {
       sink[blockIdx.x * 32 + (it & 31)] = (float)it;  // a write for the fence to order
-      unsigned long long t0 = gns();
+      unsigned long long t0 = global_ns();
       if (mode == 0) {
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
       } else if (mode == 1) {
-        red_rel(ctr, 1);
+        red_release_add(ctr, 1);
         const unsigned need = (unsigned)gridDim.x * (it + 1);
         while (ld_acq(ctr) < need) {}
       } else {
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
         red_rlx(ctr, 1);
         const unsigned need = (unsigned)gridDim.x * (it + 1);
-        while (ld_rlx(ctr) < need) {}
+        while (ld_relaxed(ctr) < need) {}
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
       }
-      unsigned long long t1 = gns();
-      while (!try_wait(&bar, it & 1)) {}
-      unsigned long long t2 = gns();
+      unsigned long long t1 = global_ns();
+      while (!mbar_try_wait(&bar, it & 1)) {}
+      unsigned long long t2 = global_ns();
       out_fence[(size_t)it * gridDim.x + blockIdx.x] = (t1 - t0) * 1e-3f;
       out_arrive[(size_t)it * gridDim.x + blockIdx.x] = (t2 - t0) * 1e-3f;
     }

@@ -5,23 +5,20 @@
 // seventh round): 4.36-4.50 TB/s for every ring of 96-192 KiB per SM without arithmetic, whatever
 // the slot size (2-64 KiB); with the arithmetic 3.95 TB/s on 8 warps and 4.34 on 16.
 //   qwen_ring_probe             (no arguments; prints one line per case)
+#include "../device_helpers.cuh"
+
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+
+using namespace qwen::dev;
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
-__device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned c) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(b)), "r"(c) : "memory"); }
-__device__ __forceinline__ void arrive_tx(unsigned long long* b, unsigned bytes) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(b)), "r"(bytes) : "memory"); }
-__device__ __forceinline__ bool try_wait(unsigned long long* b, unsigned par) {
-  unsigned ok; asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(ok) : "r"(sa(b)), "r"(par) : "memory"); return ok; }
+
 __device__ int g_hint;
 __device__ __forceinline__ void bulk(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  if (g_hint) {
-    unsigned long long pol; asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(bar)), "l"(pol) : "memory");
-  } else {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(bar)) : "memory");
-  }
+  if (g_hint) bulk_load(dst, src, bytes, bar, evict_first_policy());
+  else bulk_load(dst, src, bytes, bar);
 }
 
 template <int MODE>  // 0: read one word; 1: GEMV-like compute on the slot (bf16 w, bf16 x); 2: same with fp32 x
@@ -43,18 +40,18 @@ __global__ void ring(const char* src, size_t total, unsigned slot, int slots, in
   __syncthreads();
   if (lane == 0) {
     for (int s = 0; s < slots; ++s) mbar_init(&bars[warp][s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int s = 0; s < slots && s < (int)units; ++s) { arrive_tx(&bars[warp][s], slot); bulk(r + (size_t)s * slot, base + (size_t)s * slot, slot, &bars[warp][s]); }
+    mbar_fence_init();
+    for (int s = 0; s < slots && s < (int)units; ++s) { mbar_arrive_tx(&bars[warp][s], slot); bulk(r + (size_t)s * slot, base + (size_t)s * slot, slot, &bars[warp][s]); }
   }
   __syncwarp();
   for (size_t t = 0; t < units; ++t) {
     const int s = t % slots; const unsigned par = (t / slots) & 1;
-    while (!try_wait(&bars[warp][s], par)) {}
+    while (!mbar_try_wait(&bars[warp][s], par)) {}
     uint4 w[4];
     if (MODE == 0) acc ^= *(const unsigned*)(r + (size_t)s * slot + lane * 4);
     else for (int u = 0; u < 4; ++u) w[u] = *(const uint4*)(r + (size_t)s * slot + u * 512 + lane * 16);
     __syncwarp();
-    if (lane == 0 && t + slots < units) { arrive_tx(&bars[warp][s], slot); bulk(r + (size_t)s * slot, base + (t + slots) * slot, slot, &bars[warp][s]); }
+    if (lane == 0 && t + slots < units) { mbar_arrive_tx(&bars[warp][s], slot); bulk(r + (size_t)s * slot, base + (t + slots) * slot, slot, &bars[warp][s]); }
     if (MODE != 0) {
       for (int u = 0; u < 4; ++u) {
         const unsigned ww[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
@@ -88,8 +85,13 @@ int main() {
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
   struct C { unsigned slot; int slots; int warps; int mode; int hint; } cs[] = {
-    {2048, 12, 8, 0, 0}, {2048, 12, 8, 0, 1}, {2048, 12, 8, 1, 0}, {2048, 12, 8, 2, 0}, {2048, 12, 8, 1, 1},
-    {2048, 6, 16, 1, 0}, {2048, 6, 16, 2, 0}, {2048, 6, 16, 0, 0}};
+    // copies only: slot size, slots and warps
+    {2048, 12, 8, 0, 0}, {2048, 6, 8, 0, 0}, {4096, 6, 8, 0, 0}, {8192, 3, 8, 0, 0}, {8192, 2, 8, 0, 0},
+    {16384, 1, 8, 0, 0}, {2048, 24, 4, 0, 0}, {4096, 12, 4, 0, 0}, {8192, 6, 4, 0, 0}, {16384, 3, 4, 0, 0},
+    {32768, 6, 1, 0, 0}, {65536, 3, 1, 0, 0}, {2048, 6, 16, 0, 0}, {4096, 3, 16, 0, 0},
+    // the L2 hint, and the GEMV's arithmetic on each slot
+    {2048, 12, 8, 0, 1}, {2048, 12, 8, 1, 0}, {2048, 12, 8, 2, 0}, {2048, 12, 8, 1, 1}, {2048, 6, 16, 1, 0},
+    {2048, 6, 16, 2, 0}};
   for (auto c : cs) {
     CK(cudaMemcpyToSymbol(g_hint, &c.hint, sizeof(int)));
     if ((size_t)c.slot * c.slots * c.warps > 200 * 1024) continue;
