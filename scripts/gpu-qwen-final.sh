@@ -32,7 +32,7 @@ for part in $parts; do
         --random-prompt 12 --gen 6 --batch 1 --mode both --kernels mega >>"$out/racecheck.log" 2>&1
       echo "racecheck (CLI, persistent kernel) exit $?" >>"$out/racecheck.log"
       for tc in "eager and graph*"; do
-        QWEN_TEST_KERNELS=ring timeout 200 compute-sanitizer --tool racecheck --racecheck-report analysis \
+        QWEN_TEST_KERNELS=ring timeout 300 compute-sanitizer --tool racecheck --racecheck-report analysis \
           "$bin/qwen_gpu" -tc="$tc" >>"$out/racecheck.log" 2>&1
         echo "racecheck ($tc) exit $?" >>"$out/racecheck.log"
       done
