@@ -3,8 +3,9 @@
 // Block = 8 consumer warps + 1 producer warp, one block per SM. Shared memory: per consumer warp a
 // ring of `slots` 4 KiB slots, then a work area used either by a GEMV phase (the staged input x as
 // bf16, and the fp32 residual row the RMSNorm reads) or by an attention item (q, the cross-warp
-// softmax state, the new K/V). Attention items are (kv head, up to 2 of its query heads), each on its
-// own block.
+// softmax state, the new K/V). Attention items are (kv head, up to 2 of its query heads, chunk of the
+// context), each on its own block; with several chunks each writes its partial state, then merges its
+// share of the outputs from all of them (attention_combine).
 //
 // Per GEMV phase a consumer warp owns the contiguous rows [g N / GW, (g + 1) N / GW) (g: the warp's
 // index in the grid, GW: consumer warps in the grid) and walks them piece by piece (up to 2048
@@ -86,21 +87,26 @@ __device__ __forceinline__ void settle_all(unsigned long long (&w)[N], int count
   }
 }
 
-/// store(i, value) for every i < n, once word src[i] carries `tag`; the block's threads split the
-/// words, kPollBatch of them in flight per thread.
-template <class Store>
-__device__ __forceinline__ void poll_range(const unsigned long long* src, int n, unsigned tag, Store&& store) {
+/// store(i, value) for every i < n, once word at(i) carries `tag`; the block's consumer threads split
+/// the words, kPollBatch of them in flight per thread.
+template <class At, class Store>
+__device__ __forceinline__ void poll_words(int n, unsigned tag, At&& at, Store&& store) {
   for (int base = threadIdx.x; base < n; base += kCThreads * kPollBatch) {
     unsigned long long w[kPollBatch];
     const int count = min(kPollBatch, (n - base + kCThreads - 1) / kCThreads);
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
-      if (i < count) w[i] = ld_word(src + base + i * kCThreads);
-    settle_all(w, count, tag, [&](int i) { return src + base + i * kCThreads; });
+      if (i < count) w[i] = ld_word(at(base + i * kCThreads));
+    settle_all(w, count, tag, [&](int i) { return at(base + i * kCThreads); });
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
       if (i < count) store(base + i * kCThreads, word_val(w[i]));
   }
+}
+/// poll_words over the contiguous words src[0, n).
+template <class Store>
+__device__ __forceinline__ void poll_range(const unsigned long long* src, int n, unsigned tag, Store&& store) {
+  poll_words(n, tag, [src](int i) { return src + i; }, static_cast<Store&&>(store));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -440,18 +446,43 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   st.mark(trace_phase, 2);
 }
 
-/// Attention of layer l for kv head kvh, query heads h0 .. h0 + G - 1 of its group (of group_size): the
-/// per-matrix attention kernel's decode path (one chunk) on warps 0..7, reading q/k/v as tagged words
-/// and writing its output as them. Each head's softmax is independent, so splitting a group's heads
-/// over items changes no result; the item with h0 = 0 writes the new K/V to the pool.
+/// A decode context's chunks (the per-matrix attention kernel's rule: with its splits and minimum
+/// chunk the chunks, their partial states and the combine are the same as its split-KV).
+struct AttnChunks {
+  int chunk, chunks;
+};
+__device__ __forceinline__ AttnChunks attn_chunks(const MegaParams& p, int seq_len) {
+  if (p.attn_splits <= 1) return {seq_len, 1};
+  const int even = (seq_len + p.attn_splits - 1) / p.attn_splits;
+  const int chunk = max(p.attn_min_chunk, (even + 63) / 64 * 64);
+  return {chunk, (seq_len + chunk - 1) / chunk};
+}
+/// Split attention's partial state of query head hq, chunk c: {max, sum, unnormalised output[D]}.
+template <int D>
+__device__ __forceinline__ unsigned long long* attn_part(const MegaParams& p, int hq, int c) {
+  return p.attn_part + (std::size_t(hq) * p.attn_splits + c) * (D + 2);
+}
+
+/// Attention of layer l for kv head kvh, query heads h0 .. h0 + G - 1 of its group (of group_size),
+/// positions of chunk c: the per-matrix attention kernel's decode path (one block's chunk) on warps
+/// 0..7, reading q/k/v as tagged words. With one chunk it writes the output words; otherwise the
+/// chunk's partial state, which attention_combine merges. Each head's softmax is independent, so
+/// splitting a group's heads over items changes no result; the item with h0 = 0 whose chunk holds
+/// position pos writes the new K/V to the pool.
 template <int D, int G>
-__device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int group_size, const Step& st) {
+__device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, const Step& st) {
   constexpr int E = D / 64;
   constexpr int DPL = D / 8;
   constexpr int NV = DPL / 8;
   constexpr int T = 2;
   const KvPool& kv = p.kv;
   const RowMeta& meta = p.meta;
+  const int pos = meta.pos[0];
+  const int seq_len = pos + 1;
+  const AttnChunks ch = attn_chunks(p, seq_len);
+  if (c >= ch.chunks) return;  // a short context needs fewer chunks
+  const int begin = c * ch.chunk, end = min(seq_len, begin + ch.chunk);
+  const bool owns_pos = end == seq_len;
   float* q_s = reinterpret_cast<float*>(st.work);     // [G][D]
   float* red_m = q_s + G * D;                         // [kAW][G]
   float* red_l = red_m + kAW * G;                     // [kAW][G]
@@ -465,17 +496,14 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   auto kv_offset = [&](int blk, int t) {
     return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
   };
-  const int pos = meta.pos[0];
-  const int seq_len = pos + 1;
   const std::int32_t* table = meta.block_table + std::size_t(meta.slot[0]) * meta.table_width;
-  const int blk_pos = table[pos / kv.block_size];
   // The earlier positions' K/V of the first iteration: written in earlier steps.
   const bool worker = warp < kAW;  // warps 8.. only take part in the barriers
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
   for (int u = 0; u < T; ++u) {
-    const int t = warp * 4 + u * kAW * 4 + grp;
-    if (worker && t < pos) {
+    const int t = begin + warp * 4 + u * kAW * 4 + grp;
+    if (worker && t < pos && t < end) {
       const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -485,13 +513,13 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
     }
   }
   st.mark(phase_att(l), 0);
-  consumer_sync();  // every warp is done with the work area (previous phase)
+  consumer_sync();  // every warp is done with the work area (previous phase or item)
 
   const unsigned qkv_tag = st.tag(phase_qkv(l));
   const float2* rope_row = p.rope + std::size_t(pos) * (D / 2);
   const float scale = rsqrtf(static_cast<float>(D));
   const MegaLayer& w = st.layers[l];
-  for (int item = warp; item < G + 1; item += kAW) {
+  for (int item = warp; item < G + (owns_pos ? 1 : 0); item += kAW) {
     const bool is_q = item < G;
     const int head_off = is_q ? (kvh * group_size + h0 + item) * D : p.q_dim + kvh * D;
     HeadNormRope<D> nr;
@@ -521,6 +549,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
       }
     } else {
       const int off = pos % kv.block_size;
+      const int blk_pos = table[pos / kv.block_size];
       bf16* kp = kbase + ((std::size_t(blk_pos) * kv.kv_heads + kvh) * kv.block_size + off) * D;
       bf16* vp = vbase + ((std::size_t(blk_pos) * kv.kv_heads + kvh) * kv.block_size + off) * D;
 #pragma unroll
@@ -547,19 +576,19 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
     for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h * D + sub * DPL + j];
   SoftmaxState<G, DPL> sm;
   sm.init();
-  for (int base = warp * 4; worker && base < seq_len; base += kAW * 4 * T) {
+  for (int base = begin + warp * 4; worker && base < end; base += kAW * 4 * T) {
     bool valid[T];
 #pragma unroll
     for (int u = 0; u < T; ++u) {
       const int t = base + u * kAW * 4 + grp;
-      valid[u] = t < seq_len;
+      valid[u] = t < end;
       if (valid[u] && t == pos) {
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
           vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
         }
-      } else if (valid[u] && base != warp * 4) {
+      } else if (valid[u] && base != begin + warp * 4) {
         const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
@@ -594,7 +623,55 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
       Ls += red_l[i * G + h] * f;
       A += red_acc[(i * G + h) * D + d] * f;
     }
-    st_word(p.attn + (kvh * group_size + h0 + h) * D + d, __bfloat162float(__float2bfloat16(A / Ls)), out_tag);
+    const int hq = kvh * group_size + h0 + h;
+    if (ch.chunks == 1) {
+      st_word(p.attn + hq * D + d, __bfloat162float(__float2bfloat16(A / Ls)), out_tag);
+    } else {
+      unsigned long long* part = attn_part<D>(p, hq, c);
+      st_word(part + 2 + d, A, out_tag);
+      if (d == 0) st_word(part, mx, out_tag), st_word(part + 1, Ls, out_tag);
+    }
+  }
+  st.mark(phase_att(l), 2);
+}
+
+/// Split attention's second half for the item of attention_phase (several chunks only): chunk c's
+/// block merges every chunk's partial state for its share of the item's G * D outputs (in chunk
+/// order, the per-matrix kernel's combine) and writes those output words.
+template <int D, int G>
+__device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, const Step& st) {
+  const AttnChunks ch = attn_chunks(p, p.meta.pos[0] + 1);
+  const int C = ch.chunks;
+  if (C == 1 || c >= C) return;
+  const int o0 = row_split(c, G * D, C), no = row_split(c + 1, G * D, C) - o0;
+  float* ml = reinterpret_cast<float*>(st.work);  // [C][G][2]: max, sum
+  float* part_a = ml + C * G * 2;                 // [C][no]: unnormalised outputs
+  const int hq0 = kvh * group_size + h0, nml = C * G * 2;
+  const unsigned tag = st.tag(phase_att(l));
+  consumer_sync();  // every warp is done with the work area (this block's attention items)
+  poll_words(
+      nml + C * no, tag,
+      [&](int i) -> const unsigned long long* {
+        if (i < nml) return attn_part<D>(p, hq0 + i % (2 * G) / 2, i / (2 * G)) + (i & 1);
+        const int k = i - nml, o = o0 + k % no;
+        return attn_part<D>(p, hq0 + o / D, k / no) + 2 + o % D;
+      },
+      [&](int i, float v) {
+        if (i < nml) ml[i] = v;
+        else part_a[i - nml] = v;
+      });
+  consumer_sync();
+  for (int k = st.tid; k < no; k += kCThreads) {
+    const int h = (o0 + k) / D, d = (o0 + k) % D;
+    float mx = -INFINITY;
+    for (int cc = 0; cc < C; ++cc) mx = fmaxf(mx, ml[(cc * G + h) * 2]);
+    float L = 0.f, A = 0.f;
+    for (int cc = 0; cc < C; ++cc) {
+      const float f = __expf(ml[(cc * G + h) * 2] - mx);
+      L += ml[(cc * G + h) * 2 + 1] * f;
+      A += part_a[cc * no + k] * f;
+    }
+    st_word(p.attn + (hq0 + h) * D + d, __bfloat162float(__float2bfloat16(A / L)), tag);
   }
   st.mark(phase_att(l), 2);
 }
@@ -698,12 +775,19 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
   float best_v = -INFINITY;
   int best_i = 0x7fffffff;
-  const int kv_heads = p.kv.kv_heads;
+  const int items = p.kv.kv_heads * (G / GA) * p.attn_splits;
   for (int l = 0; l < p.num_layers; ++l) {
     gemv_phase<kQkv>(p, l, st, ring, red, best_v, best_i);
-    for (int it = 0; it < kv_heads * (G / GA); ++it)  // item it runs on block it * grid / items
-      if (static_cast<int>(blockIdx.x) == row_split(it, gridDim.x, kv_heads * (G / GA)))
-        attention_phase<D, GA>(p, l, it / (G / GA), it % (G / GA) * GA, G, st);
+    // Attention items (head group gi, chunk c), it = gi * splits + c, at most one per block
+    // (mega_geometry): item it runs on block it * grid / items, so a group's chunks sit on
+    // neighbouring blocks and the groups spread over the grid. A block writes its item's partial
+    // state before it waits for the other chunks' states.
+    const int it = row_split(blockIdx.x, items, gridDim.x);
+    if (it < row_split(blockIdx.x + 1, items, gridDim.x)) {
+      const int gi = it / p.attn_splits, kvh = gi / (G / GA), h0 = gi % (G / GA) * GA, c = it % p.attn_splits;
+      attention_phase<D, GA>(p, l, kvh, h0, G, c, st);
+      attention_combine<D, GA>(p, l, kvh, h0, G, c, st);
+    }
     gemv_phase<kO>(p, l, st, ring, red, best_v, best_i);
     gemv_phase<kGateUp>(p, l, st, ring, red, best_v, best_i);
     gemv_phase<kDown>(p, l, st, ring, red, best_v, best_i);
@@ -756,11 +840,23 @@ std::size_t scratch(int D, int G) {
 
 bool mega_supported(int head_dim, int group) { return pick(head_dim, group) != nullptr; }
 
+int mega_attention_splits(int kv_heads, int group, int grid) {
+  const int groups = kv_heads * (group / attention_heads(group));
+  return std::clamp(grid / std::max(groups, 1), 1, kMaxAttnSplits);
+}
+
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
   const kernel_ptr k = pick(head_dim, group);
   if (k == nullptr) throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
     throw replay::usage_error("qwen::mega_geometry: matrix widths must be multiples of 8");
+  if (p.attn_splits < 1 || p.attn_splits > kMaxAttnSplits || (p.attn_splits > 1 && p.attn_part == nullptr))
+    throw replay::usage_error("qwen::mega_geometry: attention splits must be in 1..kMaxAttnSplits, with partial states");
+  if (p.kv.kv_heads * (group / attention_heads(group)) * p.attn_splits > num_sms)
+    throw replay::usage_error(fmt::format("qwen::mega_geometry: {} attention splits give more items than the {} blocks",
+                                          p.attn_splits, num_sms));
+  if (p.attn_min_chunk < 64 || p.attn_min_chunk % 64 != 0)
+    throw replay::usage_error("qwen::mega_geometry: attention's minimum chunk must be a positive multiple of 64");
   int dev = 0, optin = 0, coop = 0;
   REPLAY_CHECK(cudaGetDevice(&dev));
   REPLAY_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));

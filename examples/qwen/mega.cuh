@@ -26,9 +26,15 @@
 //
 // Arithmetic is that of the per-matrix kernels (x rounded to bf16, the same per-lane summation order
 // as the pipelined and ring GEMVs, the same attention code path): for contexts that decode attention
-// does not split, the logits are bit-identical to the `ring` / `rowpipe` kernels'. Attention is not
-// split over blocks here (one block per kv head and query-head pair), so long contexts are slow
-// (docs/perf-notes.md, seventh round).
+// does not split, the logits are bit-identical to the `ring` / `rowpipe` kernels'.
+//
+// Attention is split over blocks: an item is (kv head, up to 2 of its query heads, chunk of the
+// context), with chunks of at least attn_min_chunk positions and at most attn_splits of them (by
+// default 64 positions and as many chunks as there are blocks per head group: one pass over the
+// first 64 positions, whose K/V are loaded before the QKV words arrive). Each chunk's block writes
+// its partial softmax state as tagged words, then merges its share of the outputs from every
+// chunk's state. With the per-matrix kernel's splits and minimum chunk (MegaParams::attn_splits,
+// attn_min_chunk) the chunks and the merge are its split-KV's, and the logits stay bit-identical.
 //
 // Example (what model.cu does for bucket 1):
 //   MegaParams p = ...;                                   // weights, metadata, tagged buffers, counters
@@ -73,6 +79,12 @@ struct MegaParams {
   unsigned long long* qkv = nullptr;   ///< [q_dim + 2 kv_dim] projections (fp32)
   unsigned long long* attn = nullptr;  ///< [q_dim] attention output (bf16-rounded values)
   unsigned long long* act = nullptr;   ///< [intermediate] silu(gate) * up (bf16-rounded values)
+  /// Split attention's partial states, [query heads][attn_splits][head_dim + 2] ({max, sum,
+  /// unnormalised output} per chunk; tagged words).
+  unsigned long long* attn_part = nullptr;
+  int attn_splits = 1;      ///< chunks of a decode context at most (1..kMaxAttnSplits; 1: never split);
+                            ///< items (kv heads x head groups x splits) must not outnumber the blocks
+  int attn_min_chunk = 64;  ///< positions per chunk at least (a multiple of 64)
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key
@@ -93,6 +105,9 @@ struct MegaGeometry {
 
 /// Whether the persistent kernel is built for (head_dim, query heads per kv head).
 bool mega_supported(int head_dim, int group);
+/// Attention's default split: as many chunks per context as there are blocks per attention item
+/// (an item is a kv head and up to 2 of its query heads), at most kMaxAttnSplits.
+int mega_attention_splits(int kv_heads, int group, int grid);
 /// Chooses the rings (as many slots per warp as fit beside the staged activations, at most
 /// max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);

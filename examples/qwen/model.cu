@@ -101,7 +101,7 @@ struct Engine::Impl {
 
   /// The persistent kernel (mega.cuh) of bucket 1: its parameters, tagged activations, counters.
   replay::device_buffer<MegaLayer> mega_layers;
-  replay::device_buffer<unsigned long long> mega_words;  // x | qkv | attn | act (tagged words)
+  replay::device_buffer<unsigned long long> mega_words;  // x | qkv | attn | act | attention partials (tagged words)
   replay::device_buffer<unsigned long long> mega_best;   // [grid] per-block argmax keys
   replay::device_buffer<unsigned> mega_sync;             // epoch, blocks exited
   replay::device_buffer<unsigned long long> mega_trace;  // QWEN_MEGA_TRACE=1: per block and phase stamps
@@ -392,7 +392,11 @@ struct Engine::Impl {
     }
     mega_layers = replay::device_buffer<MegaLayer>(ml.size());
     REPLAY_CHECK(cudaMemcpy(mega_layers.data(), ml.data(), ml.size() * sizeof(MegaLayer), cudaMemcpyHostToDevice));
-    const std::size_t words = std::size_t(H) + cfg.qkv_dim() + Q + I;
+    const int splits = opt.mega_attn_splits > 0
+                           ? opt.mega_attn_splits
+                           : mega_attention_splits(cfg.num_key_value_heads, cfg.group_size(), num_sms);
+    const std::size_t part_words = splits > 1 ? std::size_t(cfg.num_attention_heads) * splits * (cfg.head_dim + 2) : 0;
+    const std::size_t words = std::size_t(H) + cfg.qkv_dim() + Q + I + part_words;
     mega_words = replay::device_buffer<unsigned long long>(words);
     REPLAY_CHECK(cudaMemset(mega_words.data(), 0, mega_words.size_bytes()));  // tag 0: never a step's tag
     mega_best = replay::device_buffer<unsigned long long>(num_sms);
@@ -410,6 +414,9 @@ struct Engine::Impl {
     p.qkv = p.x + H;
     p.attn = p.qkv + cfg.qkv_dim();
     p.act = p.attn + Q;
+    p.attn_part = part_words > 0 ? p.act + I : nullptr;
+    p.attn_splits = splits;
+    p.attn_min_chunk = opt.mega_attn_min_chunk;
     p.logits = logits.data();
     p.keys = keys.data();
     p.block_best = mega_best.data();
@@ -485,9 +492,10 @@ struct Engine::Impl {
   [[nodiscard]] std::string describe_kernels() const {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
     if (opt.kernels == decode_kernels::mega)
-      return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB; "
-                                       "other buckets: ring)",
-                                       mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0)
+      return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB, "
+                                       "attention in up to {} chunks of at least {} positions; other buckets: ring)",
+                                       mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0,
+                                       mega.attn_splits, mega.attn_min_chunk)
                      : s + " (shape not supported by the persistent kernel: ring kernels)";
     if (!streaming())
       return s + (opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8

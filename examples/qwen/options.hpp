@@ -65,6 +65,8 @@ struct EngineOptions {
   int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
   int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
   bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
+  int mega_attn_splits = 0;                  ///< persistent kernel: attention chunks per context at most (0: as many as blocks per head group; 1..32)
+  int mega_attn_min_chunk = 64;              ///< persistent kernel: positions per attention chunk at least (multiple of 64)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
@@ -84,6 +86,9 @@ struct EngineOptions {
     if (stream_tile_bytes < 1024 || stream_tile_bytes > (160 << 10))
       throw input_error("streaming tile must be in 1..160 KiB");
     if (stream_max_slots < 2 || stream_max_slots > 8) throw input_error("streaming slots must be in 2..8");
+    if (mega_attn_splits < 0 || mega_attn_splits > 32) throw input_error("attention splits must be in 0..32");
+    if (mega_attn_min_chunk < 64 || mega_attn_min_chunk % 64 != 0)
+      throw input_error("attention's minimum chunk must be a positive multiple of 64");
     const std::int64_t nb = kv_blocks(c);
     if (nb < 2)
       throw input_error(fmt::format("KV memory budget of {} bytes holds {} blocks of {} bytes; at least 2 are needed",
