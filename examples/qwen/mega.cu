@@ -42,7 +42,7 @@ constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of 
 constexpr int kMaxRingSlots = 16;      // slots per warp at most
 constexpr int kChunk = 1024;           // weights per lane-chunk (the per-matrix GEMVs' summation unit)
 constexpr int kPiece = 2 * kChunk;     // weights per slot (4 KiB of bf16; 2 KiB: 4B 2.88 -> 3.32 ms, H200)
-constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging
+constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging (12: spills)
 constexpr int kSmemLayers = 64;        // layer tables up to this long are copied to shared memory
 
 // ------------------------------------------------------------------------------------------------
@@ -206,15 +206,16 @@ struct Step {
   float* xf;    // fp32 residual row [hidden] (RMSNorm input)
   unsigned char* work;
   const MegaLayer* layers;    // the layer table (a shared-memory copy when it fits)
-  unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][3], else nullptr
+  unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][4], else nullptr
   __device__ __forceinline__ unsigned tag(int phase) const { return epoch * phases + static_cast<unsigned>(phase) + 1u; }
   /// Diagnostics: %globaltimer at a phase's entry (what 0, thread 0), when its input was staged (1,
-  /// thread 0) and when the block's last warp finished (2, lane 0 of every warp).
+  /// thread 0), when the block's last warp finished (2, lane 0 of every warp) and, for attention,
+  /// when its last warp had written the chunk's output or partial state (3).
   __device__ __forceinline__ void mark(int phase, int what) const {
     if (trace == nullptr) return;
-    unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * 3 + what;
+    unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * 4 + what;
     if (what < 2 && tid == 0) *at = global_ns();
-    if (what == 2 && lane == 0) atomicMax(at, global_ns());
+    if (what >= 2 && lane == 0) atomicMax(at, global_ns());
   }
 };
 __device__ __forceinline__ int phase_qkv(int l) { return 1 + 5 * l; }
@@ -632,6 +633,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
       if (d == 0) st_word(part, mx, out_tag), st_word(part + 1, Ls, out_tag);
     }
   }
+  st.mark(phase_att(l), 3);
   st.mark(phase_att(l), 2);
 }
 

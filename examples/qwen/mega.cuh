@@ -90,8 +90,8 @@ struct MegaParams {
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key
   unsigned* sync = nullptr;  ///< [2] epoch, blocks exited (zero-initialised once)
   int slots = 0;             ///< ring slots per warp
-  /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][3] %globaltimer stamps per block and phase
-  /// (entry, input staged, last warp done) of the last step run; nullptr: none recorded.
+  /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][4] %globaltimer stamps per block and phase
+  /// (entry, input staged, last warp done, attention's own chunk done) of the last step run; nullptr: none recorded.
   unsigned long long* trace = nullptr;
 };
 

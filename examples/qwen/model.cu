@@ -422,7 +422,7 @@ struct Engine::Impl {
     p.block_best = mega_best.data();
     p.sync = mega_sync.data();
     if (const char* t = std::getenv("QWEN_MEGA_TRACE"); t != nullptr && std::atoi(t) != 0) {
-      mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * 3);
+      mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * 4);
       REPLAY_CHECK(cudaMemset(mega_trace.data(), 0, mega_trace.size_bytes()));
       p.trace = mega_trace.data();
     }
@@ -438,14 +438,14 @@ struct Engine::Impl {
     const int L = cfg.num_hidden_layers, P = 5 * L + 2, grid = mega_geo.grid;
     std::vector<unsigned long long> t(mega_trace.size());
     REPLAY_CHECK(cudaMemcpy(t.data(), mega_trace.data(), mega_trace.size_bytes(), cudaMemcpyDeviceToHost));
-    auto at = [&](int b, int ph, int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * 3 + w]) * 1e-3; };
+    auto at = [&](int b, int ph, int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * 4 + w]) * 1e-3; };
     std::vector<double> done(P, 0.0);
     double start = 1e300;
     for (int b = 0; b < grid; ++b)
       if (at(b, 1, 0) > 0) start = std::min(start, at(b, 1, 0));
     done[0] = start;
     static const char* names[] = {"qkv", "attention", "o", "gate/up", "down", "lm_head"};
-    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6);
+    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6), own;
     auto median = [](std::vector<double> v) {
       if (v.empty()) return 0.0;
       std::sort(v.begin(), v.end());
@@ -453,13 +453,15 @@ struct Engine::Impl {
     };
     for (int ph = 1; ph < P; ++ph) {
       const int kind = ph == P - 1 ? 5 : (ph - 1) % 5;
-      std::vector<double> st, rw;
+      std::vector<double> st, rw, ow;
       for (int b = 0; b < grid; ++b) {
         if (at(b, ph, 1) <= 0) continue;
         done[ph] = std::max(done[ph], at(b, ph, 2));
         st.push_back(at(b, ph, 1) - done[ph - 1]);
         rw.push_back(at(b, ph, 2) - at(b, ph, 1));
+        if (kind == 1 && at(b, ph, 3) > 0) ow.push_back(at(b, ph, 3) - at(b, ph, 1));
       }
+      if (!ow.empty()) own.push_back(median(ow));
       if (st.empty()) {
         done[ph] = done[ph - 1];
         continue;
@@ -479,6 +481,10 @@ struct Engine::Impl {
                        "rows {:5.2f} (slowest {:5.2f})",
                        names[k], median(gap[k]), sum, median(staged[k]), median(staged_max[k]), median(rows[k]),
                        median(rows_max[k]));
+      if (k == 1 && !own.empty())
+        s += fmt::format("\n             (attention: the block's own chunk done {:5.2f} us after staging; the rest merges "
+                         "the chunks)",
+                         median(own));
     }
     return s + "\n";
   }
