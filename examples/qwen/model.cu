@@ -445,7 +445,8 @@ struct Engine::Impl {
       if (at(b, 1, 0) > 0) start = std::min(start, at(b, 1, 0));
     done[0] = start;
     static const char* names[] = {"qkv", "attention", "o", "gate/up", "down", "lm_head"};
-    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6), own;
+    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6);
+    std::vector<double> own;  // attention: the block's own chunk done after staging (median per layer)
     auto median = [](std::vector<double> v) {
       if (v.empty()) return 0.0;
       std::sort(v.begin(), v.end());
