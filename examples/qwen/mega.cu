@@ -44,6 +44,8 @@ constexpr int kChunk = 1024;           // weights per lane-chunk (the per-matrix
 constexpr int kPiece = 2 * kChunk;     // weights per slot (4 KiB of bf16; 2 KiB: 4B 2.88 -> 3.32 ms, H200)
 constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging (12: spills)
 constexpr int kSmemLayers = 64;        // layer tables up to this long are copied to shared memory
+constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
+constexpr int kAttnPass = 64;          // positions of attention's first pass (8 warps x 4 tokens x 2)
 
 // ------------------------------------------------------------------------------------------------
 // Tagged words
@@ -206,6 +208,8 @@ struct Step {
   float* xf;    // fp32 residual row [hidden] (RMSNorm input)
   unsigned char* work;
   const MegaLayer* layers;    // the layer table (a shared-memory copy when it fits)
+  int pos;                    // the row's position this step
+  const std::int32_t* table;  // its block-table row (a shared-memory copy when it fits)
   unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][4], else nullptr
   __device__ __forceinline__ unsigned tag(int phase) const { return epoch * phases + static_cast<unsigned>(phase) + 1u; }
   /// Diagnostics: %globaltimer at a phase's entry (what 0, thread 0), when its input was staged (1,
@@ -477,8 +481,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   constexpr int NV = DPL / 8;
   constexpr int T = 2;
   const KvPool& kv = p.kv;
-  const RowMeta& meta = p.meta;
-  const int pos = meta.pos[0];
+  const int pos = st.pos;
   const int seq_len = pos + 1;
   const AttnChunks ch = attn_chunks(p, seq_len);
   if (c >= ch.chunks) return;  // a short context needs fewer chunks
@@ -497,7 +500,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   auto kv_offset = [&](int blk, int t) {
     return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
   };
-  const std::int32_t* table = meta.block_table + std::size_t(meta.slot[0]) * meta.table_width;
+  const std::int32_t* table = st.table;
   // The earlier positions' K/V of the first iteration: written in earlier steps.
   const bool worker = warp < kAW;  // warps 8.. only take part in the barriers
   uint4 kr[T][NV], vr[T][NV];
@@ -637,12 +640,30 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   st.mark(phase_att(l), 2);
 }
 
+/// Asks L2 for the K/V lines of the first pass of attention item (kv head kvh, chunk c) of layer l
+/// (positions written in earlier steps), so that attention's loads at the start of that phase find
+/// them in L2 instead of queueing behind the weight streams for HBM.
+template <int D>
+__device__ __forceinline__ void prefetch_kv(const MegaParams& p, int l, int kvh, int c, const Step& st) {
+  const AttnChunks ch = attn_chunks(p, st.pos + 1);
+  if (c >= ch.chunks) return;
+  constexpr int E = D / 64;  // 128-byte lines per K (or V) row
+  const int begin = c * ch.chunk, end = min(min(st.pos, begin + ch.chunk), begin + kAttnPass);
+  const KvPool& kv = p.kv;
+  for (int i = st.tid; i < (end - begin) * 2 * E; i += kCThreads) {
+    const int t = begin + i / (2 * E), r = i % (2 * E);
+    const bf16* base = kv.base + std::size_t(l) * kv.layer_stride() + (r < E ? 0 : kv.kv_stride());
+    prefetch_l2(base + ((std::size_t(st.table[t / kv.block_size]) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D +
+                (r % E) * 64);
+  }
+}
+
 /// Split attention's second half for the item of attention_phase (several chunks only): chunk c's
 /// block merges every chunk's partial state for its share of the item's G * D outputs (in chunk
 /// order, the per-matrix kernel's combine) and writes those output words.
 template <int D, int G>
 __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, const Step& st) {
-  const AttnChunks ch = attn_chunks(p, p.meta.pos[0] + 1);
+  const AttnChunks ch = attn_chunks(p, st.pos + 1);
   const int C = ch.chunks;
   if (C == 1 || c >= C) return;
   const int o0 = row_split(c, G * D, C), no = row_split(c + 1, G * D, C) - o0;
@@ -733,8 +754,15 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   __shared__ unsigned long long red_key[kMW];
   static_assert(sizeof(MegaLayer) % 8 == 0, "the layer table is copied in 8-byte words");
   __shared__ MegaLayer layers_s[kSmemLayers];
+  __shared__ std::int32_t table_s[kSmemTable];
+  __shared__ int4 item_s;  // this block's attention item (see below)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = p.slots;
+  const int pos = p.meta.pos[0];
+  const std::int32_t* table = p.meta.block_table + std::size_t(p.meta.slot[0]) * p.meta.table_width;
+  const int table_len = pos / p.kv.block_size + 1;
+  if (table_len <= kSmemTable)
+    for (int i = tid; i < table_len; i += kMThreads) table_s[i] = table[i];
   if (p.num_layers <= kSmemLayers)
     for (int i = tid; i < p.num_layers * static_cast<int>(sizeof(MegaLayer) / 8); i += kMThreads)
       reinterpret_cast<unsigned long long*>(layers_s)[i] = reinterpret_cast<const unsigned long long*>(p.layers)[i];
@@ -747,6 +775,8 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
   Step st;
   st.layers = p.num_layers <= kSmemLayers ? layers_s : p.layers;
+  st.pos = pos;
+  st.table = table_len <= kSmemTable ? table_s : table;
   st.tid = tid, st.lane = lane, st.warp = warp;
   st.g = blockIdx.x * kMW + warp;
   st.GW = gridDim.x * kMW;
@@ -777,18 +807,28 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
   float best_v = -INFINITY;
   int best_i = 0x7fffffff;
-  const int items = p.kv.kv_heads * (G / GA) * p.attn_splits;
+  // Attention items (head group gi, chunk c), it = gi * splits + c, at most one per block
+  // (mega_geometry): item it runs on block it * grid / items, so a group's chunks sit on
+  // neighbouring blocks and the groups spread over the grid. A block writes its item's partial
+  // state before it waits for the other chunks' states.
+  // The item is kept in shared memory ({kv head, first query head, chunk}; kv head -1: none), read
+  // where it is used: three more registers live across the layer loop made ptxas spill.
+  {
+    const int items = p.kv.kv_heads * (G / GA) * p.attn_splits;
+    const int it = row_split(blockIdx.x, items, gridDim.x);
+    const int gi = it / p.attn_splits;
+    if (tid == 0)
+      item_s = it < row_split(blockIdx.x + 1, items, gridDim.x) ? make_int4(gi / (G / GA), gi % (G / GA) * GA, it % p.attn_splits, 0)
+                                                                 : make_int4(-1, 0, 0, 0);
+    consumer_sync();
+    if (item_s.x >= 0) prefetch_kv<D>(p, 0, item_s.x, item_s.z, st);
+  }
   for (int l = 0; l < p.num_layers; ++l) {
     gemv_phase<kQkv>(p, l, st, ring, red, best_v, best_i);
-    // Attention items (head group gi, chunk c), it = gi * splits + c, at most one per block
-    // (mega_geometry): item it runs on block it * grid / items, so a group's chunks sit on
-    // neighbouring blocks and the groups spread over the grid. A block writes its item's partial
-    // state before it waits for the other chunks' states.
-    const int it = row_split(blockIdx.x, items, gridDim.x);
-    if (it < row_split(blockIdx.x + 1, items, gridDim.x)) {
-      const int gi = it / p.attn_splits, kvh = gi / (G / GA), h0 = gi % (G / GA) * GA, c = it % p.attn_splits;
-      attention_phase<D, GA>(p, l, kvh, h0, G, c, st);
-      attention_combine<D, GA>(p, l, kvh, h0, G, c, st);
+    if (const int4 item = item_s; item.x >= 0) {
+      attention_phase<D, GA>(p, l, item.x, item.y, G, item.z, st);
+      attention_combine<D, GA>(p, l, item.x, item.y, G, item.z, st);
+      if (l + 1 < p.num_layers) prefetch_kv<D>(p, l + 1, item.x, item.z, st);
     }
     gemv_phase<kO>(p, l, st, ring, red, best_v, best_i);
     gemv_phase<kGateUp>(p, l, st, ring, red, best_v, best_i);
