@@ -226,6 +226,7 @@ int main(int argc, char** argv) {
   };
   int stream_tile_kb = env_int("QWEN_STREAM_TILE_KB", EngineOptions{}.stream_tile_bytes / 1024);
   int stream_slots = env_int("QWEN_STREAM_SLOTS", EngineOptions{}.stream_max_slots);
+  int mega_attn_splits = EngineOptions{}.mega_attn_splits, mega_attn_chunk = EngineOptions{}.mega_attn_min_chunk;
   std::uint64_t seed = 1234;
   app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny (random weights)");
   app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
@@ -259,6 +260,10 @@ int main(int argc, char** argv) {
   app.add_option("--stream-tile-kb", stream_tile_kb,
                  "streaming kernel: weight KiB per work item, about (default: $QWEN_STREAM_TILE_KB or 40)");
   app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most, 2..8 (default: $QWEN_STREAM_SLOTS or 8)");
+  app.add_option("--mega-attn-splits", mega_attn_splits,
+                 "persistent kernel: attention chunks per context at most, 1..32 (default 0: blocks per head group)");
+  app.add_option("--mega-attn-chunk", mega_attn_chunk,
+                 "persistent kernel: positions per attention chunk at least, a multiple of 64 (default 64)");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 
@@ -286,6 +291,8 @@ int main(int argc, char** argv) {
     opt.kernels = parse_decode_kernels(kernels_s);
     opt.stream_tile_bytes = stream_tile_kb * 1024;
     opt.stream_max_slots = stream_slots;
+    opt.mega_attn_splits = mega_attn_splits;
+    opt.mega_attn_min_chunk = mega_attn_chunk;
     opt.stream_trace = env_int("QWEN_STREAM_TRACE", 0) != 0;
 
     std::vector<int> prompt;

@@ -210,14 +210,15 @@ struct Step {
   const MegaLayer* layers;    // the layer table (a shared-memory copy when it fits)
   int pos;                    // the row's position this step
   const std::int32_t* table;  // its block-table row (a shared-memory copy when it fits)
-  unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][4], else nullptr
+  unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][kMegaMarks], else nullptr
   __device__ __forceinline__ unsigned tag(int phase) const { return epoch * phases + static_cast<unsigned>(phase) + 1u; }
   /// Diagnostics: %globaltimer at a phase's entry (what 0, thread 0), when its input was staged (1,
   /// thread 0), when the block's last warp finished (2, lane 0 of every warp) and, for attention,
-  /// when its last warp had written the chunk's output or partial state (3).
+  /// when its last warp had written the chunk's output or partial state (3), finished its pass over
+  /// the positions (4) and when the cross-warp state was in shared memory (5).
   __device__ __forceinline__ void mark(int phase, int what) const {
     if (trace == nullptr) return;
-    unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * 4 + what;
+    unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * kMegaMarks + what;
     if (what < 2 && tid == 0) *at = global_ns();
     if (what >= 2 && lane == 0) atomicMax(at, global_ns());
   }
@@ -604,6 +605,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
 #pragma unroll
     for (int u = 0; u < T; ++u) sm.add(q, kr[u], vr[u], valid[u]);
   }
+  st.mark(phase_att(l), 4);
   sm.combine_groups();
   if (worker && grp == 0) {
 #pragma unroll
@@ -614,6 +616,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
     }
   }
   consumer_sync();
+  st.mark(phase_att(l), 5);
   const unsigned out_tag = st.tag(phase_att(l));
   for (int idx = tid; idx < G * D; idx += kCThreads) {
     const int h = idx / D, d = idx % D;

@@ -50,6 +50,9 @@
 
 namespace qwen {
 
+/// Stamps per block and phase of the persistent kernel's trace (MegaParams::trace).
+inline constexpr int kMegaMarks = 6;
+
 /// One layer's weights as the persistent kernel reads them (device array, one entry per layer).
 struct MegaLayer {
   const bf16* wqkv = nullptr;       ///< [q_dim + 2 kv_dim][hidden]
@@ -90,8 +93,9 @@ struct MegaParams {
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key
   unsigned* sync = nullptr;  ///< [2] epoch, blocks exited (zero-initialised once)
   int slots = 0;             ///< ring slots per warp
-  /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][4] %globaltimer stamps per block and phase
-  /// (entry, input staged, last warp done, attention's own chunk done) of the last step run; nullptr: none recorded.
+  /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][kMegaMarks] %globaltimer stamps per block
+  /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
+  /// state shared) of the last step run; nullptr: none recorded.
   unsigned long long* trace = nullptr;
 };
 

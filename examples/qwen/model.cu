@@ -422,7 +422,7 @@ struct Engine::Impl {
     p.block_best = mega_best.data();
     p.sync = mega_sync.data();
     if (const char* t = std::getenv("QWEN_MEGA_TRACE"); t != nullptr && std::atoi(t) != 0) {
-      mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * 4);
+      mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * kMegaMarks);
       REPLAY_CHECK(cudaMemset(mega_trace.data(), 0, mega_trace.size_bytes()));
       p.trace = mega_trace.data();
     }
@@ -438,7 +438,7 @@ struct Engine::Impl {
     const int L = cfg.num_hidden_layers, P = 5 * L + 2, grid = mega_geo.grid;
     std::vector<unsigned long long> t(mega_trace.size());
     REPLAY_CHECK(cudaMemcpy(t.data(), mega_trace.data(), mega_trace.size_bytes(), cudaMemcpyDeviceToHost));
-    auto at = [&](int b, int ph, int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * 4 + w]) * 1e-3; };
+    auto at = [&](int b, int ph, int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * kMegaMarks + w]) * 1e-3; };
     std::vector<double> done(P, 0.0);
     double start = 1e300;
     for (int b = 0; b < grid; ++b)
@@ -446,7 +446,7 @@ struct Engine::Impl {
     done[0] = start;
     static const char* names[] = {"qkv", "attention", "o", "gate/up", "down", "lm_head"};
     std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6);
-    std::vector<double> own;  // attention: the block's own chunk done after staging (median per layer)
+    std::vector<double> own, pass, shared;  // attention after staging: own chunk done, pass done, state shared
     auto median = [](std::vector<double> v) {
       if (v.empty()) return 0.0;
       std::sort(v.begin(), v.end());
@@ -454,15 +454,19 @@ struct Engine::Impl {
     };
     for (int ph = 1; ph < P; ++ph) {
       const int kind = ph == P - 1 ? 5 : (ph - 1) % 5;
-      std::vector<double> st, rw, ow;
+      std::vector<double> st, rw, ow, pa, sh;
       for (int b = 0; b < grid; ++b) {
         if (at(b, ph, 1) <= 0) continue;
         done[ph] = std::max(done[ph], at(b, ph, 2));
         st.push_back(at(b, ph, 1) - done[ph - 1]);
         rw.push_back(at(b, ph, 2) - at(b, ph, 1));
-        if (kind == 1 && at(b, ph, 3) > 0) ow.push_back(at(b, ph, 3) - at(b, ph, 1));
+        if (kind == 1 && at(b, ph, 3) > 0) {
+          ow.push_back(at(b, ph, 3) - at(b, ph, 1));
+          pa.push_back(at(b, ph, 4) - at(b, ph, 1));
+          sh.push_back(at(b, ph, 5) - at(b, ph, 1));
+        }
       }
-      if (!ow.empty()) own.push_back(median(ow));
+      if (!ow.empty()) own.push_back(median(ow)), pass.push_back(median(pa)), shared.push_back(median(sh));
       if (st.empty()) {
         done[ph] = done[ph - 1];
         continue;
@@ -483,9 +487,9 @@ struct Engine::Impl {
                        names[k], median(gap[k]), sum, median(staged[k]), median(staged_max[k]), median(rows[k]),
                        median(rows_max[k]));
       if (k == 1 && !own.empty())
-        s += fmt::format("\n             (attention: the block's own chunk done {:5.2f} us after staging; the rest merges "
-                         "the chunks)",
-                         median(own));
+        s += fmt::format("\n             (attention, after staging: pass over the positions done {:5.2f} us, cross-warp "
+                         "state shared {:5.2f}, own chunk written {:5.2f}; the rest merges the chunks)",
+                         median(pass), median(shared), median(own));
     }
     return s + "\n";
   }
