@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The persistent kernel (--kernels mega) on the GPU machine. From the repo root, after
 # `source .deps/tools/env.sh`:
-#   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests] [sanitize] [bench] [longctx]   (default: all four)
+#   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests] [sanitize] [bench] [longctx] [chunks]   (default: the first four)
 # tests:    the whole GPU test (every decode-kernel variant, mega included);
 # sanitize: memcheck of the GPU test cases that run mega, racecheck of the CLI with mega;
 # bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace;
-# longctx:  mega and ring after a 2000-token prompt.
+# longctx:  mega and ring after a 2000-token prompt;
+# chunks:   mega's attention chunk size (CHUNKS, default "64 128 256") at short and long contexts.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
@@ -39,6 +40,17 @@ for stage in $stages; do
           timeout 150 "$bin/qwen" --preset "$shape" --bench --random-prompt 2000 --gen 64 --bench-batches 1 \
             --kv-mem-mb $kv --kernels $k >"$out/mega_long_${shape}_$k.log" 2>&1
           echo "2000-token prompt $shape $k: $(grep -E '^\| graph ' "$out/mega_long_${shape}_$k.log" | head -1 | tr -s ' ')"
+        done
+      done ;;
+    chunks)
+      for shape in qwen3-0.6b qwen3-4b; do
+        kv=4096; [ "$shape" = qwen3-4b ] && kv=8192
+        for prompt in 16 2000; do
+          for c in ${CHUNKS:-64 128 256}; do
+            timeout 150 "$bin/qwen" --preset "$shape" --bench --random-prompt $prompt --gen 128 --bench-batches 1 \
+              --kv-mem-mb $kv --kernels mega --mega-attn-chunk $c >"$out/mega_chunk_${shape}_${prompt}_$c.log" 2>&1
+            echo "$shape prompt $prompt chunk $c: $(grep -E '^\| graph ' "$out/mega_chunk_${shape}_${prompt}_$c.log" | head -1 | tr -s ' ')"
+          done
         done
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
