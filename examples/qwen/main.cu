@@ -263,7 +263,7 @@ int main(int argc, char** argv) {
   app.add_option("--mega-attn-splits", mega_attn_splits,
                  "persistent kernel: attention chunks per context at most, 1..32 (default 0: blocks per head group)");
   app.add_option("--mega-attn-chunk", mega_attn_chunk,
-                 "persistent kernel: positions per attention chunk at least, a multiple of 64 (default 64)");
+                 "persistent kernel: positions per attention chunk at least, a multiple of 64 (default 128)");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 

@@ -30,10 +30,10 @@
 //
 // Attention is split over blocks: an item is (kv head, up to 2 of its query heads, chunk of the
 // context), with chunks of at least attn_min_chunk positions and at most attn_splits of them (by
-// default 64 positions and as many chunks as there are blocks per head group: one pass over the
-// first 64 positions, whose K/V are loaded before the QKV words arrive). Each chunk's block writes
-// its partial softmax state as tagged words, then merges its share of the outputs from every
-// chunk's state. With the per-matrix kernel's splits and minimum chunk (MegaParams::attn_splits,
+// default 128 positions, the per-matrix kernel's minimum, and as many chunks as there are blocks
+// per head group). Each chunk's block writes its partial softmax state as tagged words, then merges
+// its share of the outputs from every chunk's state. The merge is a second handoff (~3 us on an
+// H200), worth it only past two passes of 64 positions (docs/perf-notes.md, eighth round). With the per-matrix kernel's splits and minimum chunk (MegaParams::attn_splits,
 // attn_min_chunk) the chunks and the merge are its split-KV's, and the logits stay bit-identical.
 //
 // Example (what model.cu does for bucket 1):
@@ -87,7 +87,7 @@ struct MegaParams {
   unsigned long long* attn_part = nullptr;
   int attn_splits = 1;      ///< chunks of a decode context at most (1..kMaxAttnSplits; 1: never split);
                             ///< items (kv heads x head groups x splits) must not outnumber the blocks
-  int attn_min_chunk = 64;  ///< positions per chunk at least (a multiple of 64)
+  int attn_min_chunk = 128; ///< positions per chunk at least (a multiple of 64)
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key

@@ -66,7 +66,7 @@ struct EngineOptions {
   int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
   bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
   int mega_attn_splits = 0;                  ///< persistent kernel: attention chunks per context at most (0: as many as blocks per head group; 1..32)
-  int mega_attn_min_chunk = 64;              ///< persistent kernel: positions per attention chunk at least (multiple of 64)
+  int mega_attn_min_chunk = 128;             ///< persistent kernel: positions per attention chunk at least (multiple of 64)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {

@@ -253,8 +253,8 @@ TEST_CASE("the persistent kernel gives logits bit-identical to the ring kernels 
 
 TEST_CASE("the persistent kernel's split attention: bit-identical to the per-matrix split-KV with its chunks") {
   // Contexts of 2 to 6 chunks of 128 positions. With the per-matrix kernel's splits and minimum chunk
-  // the persistent kernel's chunks and merge are the same arithmetic; with its own default (chunks of
-  // 64 positions, as many as blocks per head group) eager and graph agree bit for bit and the logits
+  // the persistent kernel's chunks and merge are the same arithmetic; with finer chunks (64
+  // positions, as many as blocks per head group) eager and graph agree bit for bit and the logits
   // stay close to the per-matrix kernels'.
   int dev = 0, sms = 0;
   REQUIRE(cudaGetDevice(&dev) == cudaSuccess);
@@ -267,6 +267,7 @@ TEST_CASE("the persistent kernel's split attention: bit-identical to the per-mat
     Engine ref(cfg, o, nullptr);
     EngineOptions om = o;
     om.kernels = decode_kernels::mega;
+    om.mega_attn_min_chunk = 64;
     Engine fine(cfg, om, nullptr);
     om.mega_attn_splits = attention_splits(1, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, sms);
     om.mega_attn_min_chunk = attention_min_chunk();
