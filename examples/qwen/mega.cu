@@ -9,8 +9,9 @@
 //
 // Per GEMV phase a consumer warp owns the contiguous rows [g N / GW, (g + 1) N / GW) (g: the warp's
 // index in the grid, GW: consumer warps in the grid) and walks them piece by piece (up to 2048
-// weights of one row; gate and up pieces alternate for the gate/up projection); rows of a single
-// 1024-wide chunk go two at a time. Lane w of the producer warp keeps consumer warp w's ring full in
+// weights of one row; gate and up pieces alternate for the gate/up projection); rows of at most
+// 1024 weights are packed two to a slot (two consecutive rows, or a gate row and its up row) and go
+// two at a time. Lane w of the producer warp keeps consumer warp w's ring full in
 // that same order, over every GEMV of the step: it refills a slot once all 32 lanes of the warp have
 // arrived on the slot's "empty" barrier. Only the consumer warps take part in the phases' barriers
 // (named barrier 1).
@@ -146,7 +147,9 @@ __device__ __forceinline__ int row_split(int g, int N, int GW) {
                                                : static_cast<int>(static_cast<long long>(g) * N / GW);
 }
 
-/// Lane 0's position in its warp's weight stream: GEMV j, row, unit = piece * halves + half.
+/// Lane 0's position in its warp's weight stream: GEMV j, row, unit = piece * halves + half. Rows of
+/// at most kChunk weights are packed: one slot holds two consecutive rows (or a gate row and its up
+/// row), so a ring holds twice as many of them (Qwen3-0.6B: QKV, gate/up and lm_head).
 struct Cursor {
   int j, row, end, unit, units, halves;
   MegaGemv m;
@@ -161,7 +164,7 @@ __device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, cons
     if (c.row < c.end) {
       c.halves = gemv_halves(p, c.j);
       c.unit = 0;
-      c.units = (c.m.K + kPiece - 1) / kPiece * c.halves;
+      c.units = c.m.K <= kChunk ? 1 : (c.m.K + kPiece - 1) / kPiece * c.halves;
       return;
     }
   }
@@ -169,7 +172,8 @@ __device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, cons
 __device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW) {
   if (++c.unit < c.units) return;
   c.unit = 0;
-  if (++c.row < c.end) return;
+  c.row += c.m.K <= kChunk && c.halves == 1 && c.row + 1 < c.end ? 2 : 1;
+  if (c.row < c.end) return;
   ++c.j;
   cursor_seek(c, p, layers, g, GW);
 }
@@ -178,6 +182,22 @@ __device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, con
                                              bf16* ring,
                                              unsigned long long* bars, int s, unsigned long long pol) {
   if (c.j > 4 * p.num_layers) return;
+  if (c.m.K <= kChunk) {  // packed: rows c.row and c.row + 1, or gate row c.row and its up row
+    const unsigned row_bytes = static_cast<unsigned>(c.m.K) * sizeof(bf16);
+    bf16* dst = ring + std::size_t(s) * kPiece;
+    const bf16* src = c.m.W + std::size_t(c.row) * c.m.K;
+    if (c.halves == 2) {
+      mbar_arrive_tx(bars + s, 2 * row_bytes);
+      bulk_load(dst, src, row_bytes, bars + s, pol);
+      bulk_load(dst + c.m.K, src + std::size_t(c.m.N) * c.m.K, row_bytes, bars + s, pol);
+    } else {
+      const unsigned bytes = (c.row + 1 < c.end ? 2u : 1u) * row_bytes;
+      mbar_arrive_tx(bars + s, bytes);
+      bulk_load(dst, src, bytes, bars + s, pol);
+    }
+    cursor_next(c, p, layers, g, GW);
+    return;
+  }
   const int half = c.unit % c.halves, k0 = c.unit / c.halves * kPiece;
   const unsigned bytes = static_cast<unsigned>(min(kPiece, c.m.K - k0)) * sizeof(bf16);
   mbar_arrive_tx(bars + s, bytes);
@@ -355,28 +375,20 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
       for (; n + 1 < r1; n += 2) {
         uint4 w[2][4];
+        mbar_wait(bars + rs, rpar, rs);  // both rows in one (packed) slot
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          int s = rs + i;
-          unsigned parity = rpar;
-          if (s >= S) s -= S, parity ^= 1u;
-          mbar_wait(bars + s, parity, s);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const bf16* slot = rbase + std::size_t(rs + i < S ? rs + i : rs + i - S) * kPiece;
+          const bf16* slot = rbase + std::size_t(rs) * kPiece + i * K;
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int k = u * 256 + lane * 8;
             w[i][u] = k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
           }
         }
-        // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes): the
+        // Every lane releases the slot it read (an empty barrier counts the warp's 32 lanes): the
         // producer's refill then follows each lane's reads.
         mbar_arrive(empty + rs);
-        mbar_arrive(empty + (rs + 1 < S ? rs + 1 : rs + 1 - S));
-        rs += 2;
-        if (rs >= S) rs -= S, rpar ^= 1u;
+        if (++rs == S) rs = 0, rpar ^= 1u;
         float a0 = 0.f, a1 = 0.f;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -395,6 +407,9 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
     }
   }
+  // Packed rows (K <= kChunk): a lone last row, or a gate row and its up row, in one slot.
+  const bool packed = K <= kChunk;
+  const int SR = packed ? 1 : R;  // slots per piece
   for (; n < r1; ++n) {
     float acc[R];
 #pragma unroll
@@ -402,11 +417,11 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     for (int piece = 0; piece < P; ++piece) {
       const int k0 = piece * kPiece;
 #pragma unroll
-      for (int h = 0; h < R; ++h) {  // the gate and up pieces: consecutive slots
+      for (int h = 0; h < R; ++h) {  // unpacked: the gate and up pieces are consecutive slots
         int s = rs + h;
         unsigned parity = rpar;
         if (s >= S) s -= S, parity ^= 1u;
-        mbar_wait(bars + s, parity, s);
+        if (h < SR) mbar_wait(bars + s, parity, s);
       }
       // The per-matrix kernels' order: 1024-wide chunks, then u, then the 8 weights of a 16-byte load
       // (the gate and up rows are independent chains).
@@ -414,7 +429,8 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
         uint4 w[R][4];
 #pragma unroll
         for (int h = 0; h < R; ++h) {
-          const bf16* slot = rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * kPiece + c * kChunk;
+          const bf16* slot = packed ? rbase + std::size_t(rs) * kPiece + h * K
+                                    : rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * kPiece + c * kChunk;
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int k = u * 256 + lane * 8;
@@ -440,8 +456,9 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes); the
       // producer warp then refills them with the stream's next pieces.
 #pragma unroll
-      for (int h = 0; h < R; ++h) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
-      rs += R;
+      for (int h = 0; h < R; ++h)
+        if (h < SR) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
+      rs += SR;
       if (rs >= S) rs -= S, rpar ^= 1u;
     }
 #pragma unroll
