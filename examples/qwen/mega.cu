@@ -35,7 +35,7 @@ namespace {
 
 using namespace dev;
 
-constexpr int kMW = 8;                 // consumer warps per block (16 at 128 registers spilled and ran slower)
+constexpr int kMW = kMegaWarps;        // consumer warps per block (16 at 128 registers spilled and ran slower)
 constexpr int kCThreads = kMW * 32;    // consumer threads
 constexpr int kMThreads = kCThreads + 32;  // + the producer warp
 constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of attention (the per-matrix
@@ -236,10 +236,26 @@ struct Step {
   /// thread 0), when the block's last warp finished (2, lane 0 of every warp) and, for attention,
   /// when its last warp had written the chunk's output or partial state (3), finished its pass over
   /// the positions (4) and when the cross-warp state was in shared memory (5).
+  /// Diagnostics: waits for ring slot `slot` (parity), counting in stamps 3 (ns waited, summed
+  /// over warps) and 4 (waits that found the slot still empty) of GEMV phase `phase`.
+  __device__ __forceinline__ void slot_wait(unsigned long long* bar, unsigned parity, int slot, int phase) const {
+    if (trace == nullptr || mbar_test_wait(bar, parity)) {  // test_wait: try_wait may suspend
+      mbar_wait(bar, parity, slot);
+      return;
+    }
+    const unsigned long long t0 = global_ns();
+    mbar_wait(bar, parity, slot);
+    if (lane == 0) {
+      unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * kMegaMarks;
+      atomicAdd(at + 3, global_ns() - t0);
+      atomicAdd(at + 4, 1ull);
+    }
+  }
   __device__ __forceinline__ void mark(int phase, int what) const {
     if (trace == nullptr) return;
     unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * kMegaMarks + what;
     if (what < 2 && tid == 0) *at = global_ns();
+    if (what == 0 && tid == 0) at[3] = 0, at[4] = 0;  // the GEMV phases' wait counters (slot_wait)
     if (what >= 2 && lane == 0) atomicMax(at, global_ns());
   }
 };
@@ -375,7 +391,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
       for (; n + 1 < r1; n += 2) {
         uint4 w[2][4];
-        mbar_wait(bars + rs, rpar, rs);  // both rows in one (packed) slot
+        st.slot_wait(bars + rs, rpar, rs, trace_phase);  // both rows in one (packed) slot
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const bf16* slot = rbase + std::size_t(rs) * kPiece + i * K;
@@ -421,7 +437,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
         int s = rs + h;
         unsigned parity = rpar;
         if (s >= S) s -= S, parity ^= 1u;
-        if (h < SR) mbar_wait(bars + s, parity, s);
+        if (h < SR) st.slot_wait(bars + s, parity, s, trace_phase);
       }
       // The per-matrix kernels' order: 1024-wide chunks, then u, then the 8 weights of a 16-byte load
       // (the gate and up rows are independent chains).

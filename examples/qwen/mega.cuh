@@ -52,6 +52,8 @@ namespace qwen {
 
 /// Stamps per block and phase of the persistent kernel's trace (MegaParams::trace).
 inline constexpr int kMegaMarks = 6;
+/// Consumer warps per block of the persistent kernel (plus one producer warp).
+inline constexpr int kMegaWarps = 8;
 
 /// One layer's weights as the persistent kernel reads them (device array, one entry per layer).
 struct MegaLayer {
@@ -95,7 +97,8 @@ struct MegaParams {
   int slots = 0;             ///< ring slots per warp
   /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][kMegaMarks] %globaltimer stamps per block
   /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
-  /// state shared) of the last step run; nullptr: none recorded.
+  /// state shared; GEMV: ns waited for ring slots summed over warps, slots found empty) of the last
+  /// step run; nullptr: none recorded.
   unsigned long long* trace = nullptr;
 };
 

@@ -445,7 +445,7 @@ struct Engine::Impl {
       if (at(b, 1, 0) > 0) start = std::min(start, at(b, 1, 0));
     done[0] = start;
     static const char* names[] = {"qkv", "attention", "o", "gate/up", "down", "lm_head"};
-    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6);
+    std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6), waits(6), waited(6);
     std::vector<double> own, pass, shared;  // attention after staging: own chunk done, pass done, state shared
     auto median = [](std::vector<double> v) {
       if (v.empty()) return 0.0;
@@ -460,6 +460,10 @@ struct Engine::Impl {
         done[ph] = std::max(done[ph], at(b, ph, 2));
         st.push_back(at(b, ph, 1) - done[ph - 1]);
         rw.push_back(at(b, ph, 2) - at(b, ph, 1));
+        if (kind != 1) {  // GEMV: ring slots found empty, and the time waited for them (all warps)
+          waits[kind].push_back(static_cast<double>(t[(std::size_t(b) * P + ph) * kMegaMarks + 4]));
+          waited[kind].push_back(at(b, ph, 3) / kMegaWarps);
+        }
         if (kind == 1 && at(b, ph, 3) > 0) {
           ow.push_back(at(b, ph, 3) - at(b, ph, 1));
           pa.push_back(at(b, ph, 4) - at(b, ph, 1));
@@ -486,6 +490,13 @@ struct Engine::Impl {
                        "rows {:5.2f} (slowest {:5.2f})",
                        names[k], median(gap[k]), sum, median(staged[k]), median(staged_max[k]), median(rows[k]),
                        median(rows_max[k]));
+      if (k != 1 && !waits[k].empty()) {
+        double w = 0, ns = 0;
+        for (double x : waits[k]) w += x;
+        for (double x : waited[k]) ns += x;
+        s += fmt::format("\n             (ring slots found empty: {:.1f} per block and phase; {:.2f} us waited per warp)",
+                         w / waits[k].size(), ns / waited[k].size());
+      }
       if (k == 1 && !own.empty())
         s += fmt::format("\n             (attention, after staging: pass over the positions done {:5.2f} us, cross-warp "
                          "state shared {:5.2f}, own chunk written {:5.2f}; the rest merges the chunks)",
