@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
   int random_prompt_n = 0, gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1;
   int bench_steps = 0;
   double kv_mb = 1024;
-  bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false;
+  bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false, mega_fma = false;
   std::string bench_batches_s = "1,8,32,64";
   const char* kernels_env = std::getenv("QWEN_KERNELS");
   std::string kernels_s =
@@ -264,6 +264,9 @@ int main(int argc, char** argv) {
                  "persistent kernel: attention chunks per context at most, 1..32 (default 0: blocks per head group)");
   app.add_option("--mega-attn-chunk", mega_attn_chunk,
                  "persistent kernel: positions per attention chunk at least, a multiple of 64 (default 128)");
+  app.add_flag("--mega-fma", mega_fma,
+               "persistent kernel: GEMV rows with the per-matrix kernels' FMAs (bit-identical to ring) instead of "
+               "tensor cores");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 
@@ -293,6 +296,7 @@ int main(int argc, char** argv) {
     opt.stream_max_slots = stream_slots;
     opt.mega_attn_splits = mega_attn_splits;
     opt.mega_attn_min_chunk = mega_attn_chunk;
+    opt.mega_mma = !mega_fma;
     opt.stream_trace = env_int("QWEN_STREAM_TRACE", 0) != 0;
 
     std::vector<int> prompt;

@@ -299,8 +299,58 @@ __device__ __forceinline__ void rms_stage(const float* xf, const bf16* w, int K,
   }
 }
 
+/// c += A B on the tensor cores (m16n8k16, bf16 in, fp32 accumulate), with A's rows 8..15 zero: a01
+/// and a45 are A's registers 0 and 2, b01 and b23 B's two registers.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a01, unsigned a45, unsigned b01, unsigned b23) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a01), "r"(0u), "r"(a45), "r"(0u), "r"(b01), "r"(b23));
+}
+/// A row's dot product over a chunk of Kc weights (Kc a multiple of 256, at most 1024) on the tensor
+/// cores: the chunk is cut into 8 segments, segment g is A's row g (x) and B's column g (the
+/// weights), so the diagonal of C = A B holds the 8 segment sums (mma_diag). Lane (g, t) = (lane / 4,
+/// lane % 4) supplies the contiguous quarter t of segment g, 16 bytes of x and of w per two MMAs; A's
+/// and B's k orders are the same permutation, so every product lands on the diagonal once.
+__device__ __forceinline__ int mma_quarter(int Kc, int lane) { return (lane >> 2) * (Kc >> 3) + (lane & 3) * (Kc >> 5); }
+__device__ __forceinline__ void mma_chunk(const bf16* w, const bf16* x, int Kc, int lane, float (&c)[4]) {
+  const int q = mma_quarter(Kc, lane);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (i < (Kc >> 8)) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(w + q + i * 8);
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 8);
+      mma_bf16(c, xv.x, xv.y, wv.x, wv.y);
+      mma_bf16(c, xv.z, xv.w, wv.z, wv.w);
+    }
+  }
+}
+/// The same for two rows (w0, w1) at once: x loaded once, two independent accumulator chains.
+__device__ __forceinline__ void mma_chunk2(const bf16* w0, const bf16* w1, const bf16* x, int Kc, int lane,
+                                           float (&c0)[4], float (&c1)[4]) {
+  const int q = mma_quarter(Kc, lane);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (i < (Kc >> 8)) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 8);
+      const uint4 v0 = *reinterpret_cast<const uint4*>(w0 + q + i * 8);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(w1 + q + i * 8);
+      mma_bf16(c0, xv.x, xv.y, v0.x, v0.y);
+      mma_bf16(c1, xv.x, xv.y, v1.x, v1.y);
+      mma_bf16(c0, xv.z, xv.w, v0.z, v0.w);
+      mma_bf16(c1, xv.z, xv.w, v1.z, v1.w);
+    }
+  }
+}
+/// This lane's share of the row sum: C[g][g] if it holds it (lane (g, g / 2), register g % 2), else 0;
+/// a warp_sum of it is the row's dot product.
+__device__ __forceinline__ float mma_diag(const float (&c)[4], int lane) {
+  return (lane & 3) == (lane >> 3) ? ((lane >> 2) & 1 ? c[1] : c[0]) : 0.f;
+}
+
 /// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
-template <int KIND>
+template <int KIND, bool MMA>
 __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, float* red,
                            float& best_v, int& best_i) {
   constexpr int R = KIND == kGateUp ? 2 : 1;
@@ -376,7 +426,61 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     }
   };
   int n = r0;
-  if constexpr (R == 1) {
+  if constexpr (MMA) {  // (every width a multiple of 256: mega_geometry)
+    // Rows on the tensor cores (mma_chunk): a row of 1024 weights is 8 MMAs and one warp sum.
+    const bool packed = K <= kChunk;  // rows of one chunk, two to a slot (or a gate row and its up row)
+    if constexpr (R == 1) {
+      if (packed) {
+        for (; n + 1 < r1; n += 2) {
+          st.slot_wait(bars + rs, rpar, rs, trace_phase);
+          const bf16* slot = rbase + std::size_t(rs) * kPiece;
+          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_chunk2(slot, slot + K, xs, K, lane, c0, c1);
+          mbar_arrive(empty + rs);  // every lane, after its reads (see the FMA path)
+          if (++rs == S) rs = 0, rpar ^= 1u;
+          const float a0 = warp_sum(mma_diag(c0, lane)), a1 = warp_sum(mma_diag(c1, lane));
+          finish(n, a0, 0.f);
+          finish(n + 1, a1, 0.f);
+        }
+      }
+    }
+    const int SR = packed ? 1 : R;  // slots per piece
+    for (; n < r1; ++n) {
+      float c[R][4];
+#pragma unroll
+      for (int h = 0; h < R; ++h) c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.f;
+      for (int piece = 0; piece < P; ++piece) {
+        const int k0 = piece * kPiece;
+#pragma unroll
+        for (int h = 0; h < R; ++h) {
+          int s = rs + h;
+          unsigned parity = rpar;
+          if (s >= S) s -= S, parity ^= 1u;
+          if (h < SR) st.slot_wait(bars + s, parity, s, trace_phase);
+        }
+        for (int cc = 0; cc < kPiece / kChunk && k0 + cc * kChunk < K; ++cc) {
+          const int Kc = min(kChunk, K - k0 - cc * kChunk);
+          const bf16* slot0 = rbase + std::size_t(rs) * kPiece + (packed ? 0 : cc * kChunk);
+          if constexpr (R == 2) {  // the gate and up rows: the same x
+            const bf16* slot1 = packed ? slot0 + K : rbase + std::size_t(rs + 1 < S ? rs + 1 : rs + 1 - S) * kPiece + cc * kChunk;
+            mma_chunk2(slot0, slot1, xs + k0 + cc * kChunk, Kc, lane, c[0], c[R - 1]);
+          } else {
+            mma_chunk(slot0, xs + k0 + cc * kChunk, Kc, lane, c[0]);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < R; ++h)
+          if (h < SR) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
+        rs += SR;
+        if (rs >= S) rs -= S, rpar ^= 1u;
+      }
+      float a[R];
+#pragma unroll
+      for (int h = 0; h < R; ++h) a[h] = warp_sum(mma_diag(c[h], lane));
+      finish(n, a[0], a[R - 1]);
+    }
+  }
+  if constexpr (R == 1 && !MMA) {
     if (K <= kChunk) {
       // One piece per row: two rows at a time (consecutive slots, two independent FMA chains, the
       // same order within each row), x unpacked once into registers for every row of the phase.
@@ -426,7 +530,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   // Packed rows (K <= kChunk): a lone last row, or a gate row and its up row, in one slot.
   const bool packed = K <= kChunk;
   const int SR = packed ? 1 : R;  // slots per piece
-  for (; n < r1; ++n) {
+  for (; !MMA && n < r1; ++n) {
     float acc[R];
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = 0.f;
@@ -780,7 +884,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   }
 }
 
-template <int D, int G>
+template <int D, int G, bool MMA>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
   constexpr int GA = attention_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
@@ -860,17 +964,17 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
     if (item_s.x >= 0) prefetch_kv<D>(p, 0, item_s.x, item_s.z, st);
   }
   for (int l = 0; l < p.num_layers; ++l) {
-    gemv_phase<kQkv>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kQkv, MMA>(p, l, st, ring, red, best_v, best_i);
     if (const int4 item = item_s; item.x >= 0) {
       attention_phase<D, GA>(p, l, item.x, item.y, G, item.z, st);
       attention_combine<D, GA>(p, l, item.x, item.y, G, item.z, st);
       if (l + 1 < p.num_layers) prefetch_kv<D>(p, l + 1, item.x, item.z, st);
     }
-    gemv_phase<kO>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kGateUp>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kDown>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kO, MMA>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kGateUp, MMA>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kDown, MMA>(p, l, st, ring, red, best_v, best_i);
   }
-  gemv_phase<kLmHead>(p, 0, st, ring, red, best_v, best_i);
+  gemv_phase<kLmHead, MMA>(p, 0, st, ring, red, best_v, best_i);
 
   // Argmax: the block's best key, then the last block out reduces them and ends the epoch.
   if (lane == 0) red_key[warp] = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
@@ -898,12 +1002,12 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
 using kernel_ptr = void (*)(const MegaParams);
 
-kernel_ptr pick(int D, int G) {
-  if (D == 64 && G == 1) return mega_kernel<64, 1>;
-  if (D == 64 && G == 2) return mega_kernel<64, 2>;
-  if (D == 128 && G == 1) return mega_kernel<128, 1>;
-  if (D == 128 && G == 2) return mega_kernel<128, 2>;
-  if (D == 128 && G == 4) return mega_kernel<128, 4>;
+kernel_ptr pick(int D, int G, bool mma) {
+  if (D == 64 && G == 1) return mma ? mega_kernel<64, 1, true> : mega_kernel<64, 1, false>;
+  if (D == 64 && G == 2) return mma ? mega_kernel<64, 2, true> : mega_kernel<64, 2, false>;
+  if (D == 128 && G == 1) return mma ? mega_kernel<128, 1, true> : mega_kernel<128, 1, false>;
+  if (D == 128 && G == 2) return mma ? mega_kernel<128, 2, true> : mega_kernel<128, 2, false>;
+  if (D == 128 && G == 4) return mma ? mega_kernel<128, 4, true> : mega_kernel<128, 4, false>;
   return nullptr;
 }
 std::size_t scratch(int D, int G) {
@@ -916,7 +1020,7 @@ std::size_t scratch(int D, int G) {
 
 }  // namespace
 
-bool mega_supported(int head_dim, int group) { return pick(head_dim, group) != nullptr; }
+bool mega_supported(int head_dim, int group) { return pick(head_dim, group, false) != nullptr; }
 
 int mega_attention_splits(int kv_heads, int group, int grid) {
   const int groups = kv_heads * (group / attention_heads(group));
@@ -924,8 +1028,10 @@ int mega_attention_splits(int kv_heads, int group, int grid) {
 }
 
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
-  const kernel_ptr k = pick(head_dim, group);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0);
   if (k == nullptr) throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
+  if (p.mma != 0 && (p.hidden % 256 != 0 || p.q_dim % 256 != 0 || p.intermediate % 256 != 0))
+    throw replay::usage_error("qwen::mega_geometry: tensor-core rows need matrix widths that are multiples of 256");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
     throw replay::usage_error("qwen::mega_geometry: matrix widths must be multiples of 8");
   if (p.attn_splits < 1 || p.attn_splits > kMaxAttnSplits || (p.attn_splits > 1 && p.attn_part == nullptr))
@@ -969,7 +1075,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
 }
 
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
-  const kernel_ptr k = pick(head_dim, group);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0);
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
   if (p.slots != g.slots) throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
   cudaLaunchConfig_t cfg{};

@@ -90,6 +90,9 @@ struct MegaParams {
   int attn_splits = 1;      ///< chunks of a decode context at most (1..kMaxAttnSplits; 1: never split);
                             ///< items (kv heads x head groups x splits) must not outnumber the blocks
   int attn_min_chunk = 128; ///< positions per chunk at least (a multiple of 64)
+  /// GEMV rows on the tensor cores (matrices whose width is a multiple of 256): one MMA per 128
+  /// weights instead of 128 FMAs per lane-chunk. 0: the per-matrix kernels' FMA order (bit-identical).
+  int mma = 1;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key

@@ -417,6 +417,8 @@ struct Engine::Impl {
     p.attn_part = part_words > 0 ? p.act + I : nullptr;
     p.attn_splits = splits;
     p.attn_min_chunk = opt.mega_attn_min_chunk;
+    // Tensor-core rows need every matrix width to be a multiple of 256 (else the FMA rows).
+    p.mma = opt.mega_mma && H % 256 == 0 && Q % 256 == 0 && I % 256 == 0 ? 1 : 0;
     p.logits = logits.data();
     p.keys = keys.data();
     p.block_best = mega_best.data();
@@ -515,9 +517,9 @@ struct Engine::Impl {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
     if (opt.kernels == decode_kernels::mega)
       return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB, "
-                                       "attention in up to {} chunks of at least {} positions; other buckets: ring)",
+                                       "attention in up to {} chunks of at least {} positions, rows on {}; other buckets: ring)",
                                        mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0,
-                                       mega.attn_splits, mega.attn_min_chunk)
+                                       mega.attn_splits, mega.attn_min_chunk, mega.mma != 0 ? "tensor cores" : "FMAs")
                      : s + " (shape not supported by the persistent kernel: ring kernels)";
     if (!streaming())
       return s + (opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8

@@ -67,6 +67,7 @@ struct EngineOptions {
   bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
   int mega_attn_splits = 0;                  ///< persistent kernel: attention chunks per context at most (0: as many as blocks per head group; 1..32)
   int mega_attn_min_chunk = 128;             ///< persistent kernel: positions per attention chunk at least (multiple of 64)
+  bool mega_mma = true;                      ///< persistent kernel: GEMV rows on the tensor cores (false: the per-matrix kernels' FMA order)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
