@@ -309,18 +309,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a01, unsigned a
       : "r"(a01), "r"(0u), "r"(a45), "r"(0u), "r"(b01), "r"(b23));
 }
 /// A row's dot product over a chunk of Kc weights (Kc a multiple of 256, at most 1024) on the tensor
-/// cores: the chunk is cut into 8 segments, segment g is A's row g (x) and B's column g (the
-/// weights), so the diagonal of C = A B holds the 8 segment sums (mma_diag). Lane (g, t) = (lane / 4,
-/// lane % 4) supplies the contiguous quarter t of segment g, 16 bytes of x and of w per two MMAs; A's
-/// and B's k orders are the same permutation, so every product lands on the diagonal once.
-__device__ __forceinline__ int mma_quarter(int Kc, int lane) { return (lane >> 2) * (Kc >> 3) + (lane & 3) * (Kc >> 5); }
+/// cores: lane L reads the 16 bytes at L * 8 + 256 i of x and of the row (the FMA path's conflict-free
+/// pattern); lanes 4g .. 4g + 3 form segment g, which is A's row g (x) and B's column g (the
+/// weights), so the diagonal of C = A B holds the 8 segment sums (mma_diag). Each lane gives A and B
+/// the same k positions, so every product lands on the diagonal once.
 __device__ __forceinline__ void mma_chunk(const bf16* w, const bf16* x, int Kc, int lane, float (&c)[4]) {
-  const int q = mma_quarter(Kc, lane);
+  const int q = lane * 8;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (i < (Kc >> 8)) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(w + q + i * 8);
-      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 8);
+      const uint4 wv = *reinterpret_cast<const uint4*>(w + q + i * 256);
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 256);
       mma_bf16(c, xv.x, xv.y, wv.x, wv.y);
       mma_bf16(c, xv.z, xv.w, wv.z, wv.w);
     }
@@ -329,13 +328,13 @@ __device__ __forceinline__ void mma_chunk(const bf16* w, const bf16* x, int Kc, 
 /// The same for two rows (w0, w1) at once: x loaded once, two independent accumulator chains.
 __device__ __forceinline__ void mma_chunk2(const bf16* w0, const bf16* w1, const bf16* x, int Kc, int lane,
                                            float (&c0)[4], float (&c1)[4]) {
-  const int q = mma_quarter(Kc, lane);
+  const int q = lane * 8;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (i < (Kc >> 8)) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 8);
-      const uint4 v0 = *reinterpret_cast<const uint4*>(w0 + q + i * 8);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(w1 + q + i * 8);
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 256);
+      const uint4 v0 = *reinterpret_cast<const uint4*>(w0 + q + i * 256);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(w1 + q + i * 256);
       mma_bf16(c0, xv.x, xv.y, v0.x, v0.y);
       mma_bf16(c1, xv.x, xv.y, v1.x, v1.y);
       mma_bf16(c0, xv.z, xv.w, v0.z, v0.w);
