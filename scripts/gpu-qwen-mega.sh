@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The persistent kernel (--kernels mega) on the GPU machine. From the repo root, after
 # `source .deps/tools/env.sh`:
-#   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests] [sanitize] [bench] [longctx] [chunks]   (default: the first four)
+#   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests] [sanitize] [bench] [longctx] [parity] [chunks]
+#   (default: the first five)
 # tests:    the whole GPU test (every decode-kernel variant, mega included);
 # sanitize: memcheck of the GPU test cases that run mega, racecheck of the CLI with mega;
 # bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace;
 # longctx:  mega and ring after a 2000-token prompt;
+# parity:   parity.py against Hugging Face with the persistent kernel (tensor-core rows) decoding;
 # chunks:   mega's attention chunk size (CHUNKS, default "64 128 256") at short and long contexts.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
 bin=${BIN_DIR:-build-gpu-qwen/examples/qwen}
-stages=${*:-tests sanitize bench longctx}
+stages=${*:-tests sanitize bench longctx parity}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in $stages; do
   case $stage in
@@ -24,7 +26,12 @@ for stage in $stages; do
       echo "memcheck exit $?"; grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck.log"
       timeout 150 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
         --random-prompt 12 --gen 6 --batch 1 --mode both --kernels mega >"$out/mega_racecheck.log" 2>&1
-      echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck.log" ;;
+      echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck.log"
+      # split attention (3 chunks of 64 positions: partial states and their merge)
+      timeout 200 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
+        --random-prompt 130 --gen 6 --batch 1 --mode both --kernels mega --mega-attn-chunk 64 \
+        >"$out/mega_racecheck_split.log" 2>&1
+      echo "racecheck (split attention) exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck_split.log" ;;
     bench)
       KERNELS="${KERNELS:-mega ring}" ROUNDS=${ROUNDS:-2} BIN_DIR="$bin" bash scripts/gpu-qwen-ab.sh
       for shape in qwen3-0.6b qwen3-4b; do
@@ -42,6 +49,10 @@ for stage in $stages; do
           echo "2000-token prompt $shape $k: $(grep -E '^\| graph ' "$out/mega_long_${shape}_$k.log" | head -1 | tr -s ' ')"
         done
       done ;;
+    parity)
+      QWEN_KERNELS=mega PYTHONUNBUFFERED=1 timeout 200 python3 examples/qwen/parity.py --bin "$bin/qwen" \
+        --out "$out/mega_parity.json" >"$out/mega_parity.log" 2>&1
+      echo "parity exit $?"; grep -E "PARITY|rel L2|PASS|FAIL|divergence" "$out/mega_parity.log" | head -12 ;;
     chunks)
       for shape in qwen3-0.6b qwen3-4b; do
         kv=4096; [ "$shape" = qwen3-4b ] && kv=8192
