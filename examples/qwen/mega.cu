@@ -46,7 +46,6 @@ constexpr int kPiece = 2 * kChunk;     // weights per slot (4 KiB of bf16; 2 KiB
 constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging (12: spills)
 constexpr int kSmemLayers = 64;        // layer tables up to this long are copied to shared memory
 constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
-constexpr int kAttnPass = 64;          // positions of attention's first pass (8 warps x 4 tokens x 2)
 
 // ------------------------------------------------------------------------------------------------
 // Tagged words
@@ -232,10 +231,6 @@ struct Step {
   const std::int32_t* table;  // its block-table row (a shared-memory copy when it fits)
   unsigned long long* trace;  // diagnostics (QWEN_MEGA_TRACE): [grid][phases][kMegaMarks], else nullptr
   __device__ __forceinline__ unsigned tag(int phase) const { return epoch * phases + static_cast<unsigned>(phase) + 1u; }
-  /// Diagnostics: %globaltimer at a phase's entry (what 0, thread 0), when its input was staged (1,
-  /// thread 0), when the block's last warp finished (2, lane 0 of every warp) and, for attention,
-  /// when its last warp had written the chunk's output or partial state (3), finished its pass over
-  /// the positions (4) and when the cross-warp state was in shared memory (5).
   /// Diagnostics: waits for ring slot `slot` (parity), counting in stamps 3 (ns waited, summed
   /// over warps) and 4 (waits that found the slot still empty) of GEMV phase `phase`.
   __device__ __forceinline__ void slot_wait(unsigned long long* bar, unsigned parity, int slot, int phase) const {
@@ -251,6 +246,10 @@ struct Step {
       atomicAdd(at + 4, 1ull);
     }
   }
+  /// Diagnostics: %globaltimer at a phase's entry (what 0, thread 0), when its input was staged (1,
+  /// thread 0), when the block's last warp finished (2, lane 0 of every warp) and, for attention,
+  /// when its last warp had written the chunk's output or partial state (3), finished its pass over
+  /// the positions (4) and when the cross-warp state was in shared memory (5).
   __device__ __forceinline__ void mark(int phase, int what) const {
     if (trace == nullptr) return;
     unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * kMegaMarks + what;
@@ -424,54 +423,64 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
     }
   };
+  // A piece of a row: one slot when packed (rows of at most kChunk weights: a lone row, or a gate row
+  // and its up row), else R consecutive slots (gate/up: the gate piece, then the up piece).
+  const bool packed = K <= kChunk;
+  const int SR = packed ? 1 : R;
+  auto wait_piece = [&] {
+#pragma unroll
+    for (int h = 0; h < R; ++h) {
+      int s = rs + h;
+      unsigned parity = rpar;
+      if (s >= S) s -= S, parity ^= 1u;
+      if (h < SR) st.slot_wait(bars + s, parity, s, trace_phase);
+    }
+  };
+  // Half h's weights of chunk cc of the current piece.
+  auto piece_data = [&](int h, int cc) -> const bf16* {
+    return packed ? rbase + std::size_t(rs) * kPiece + h * K
+                  : rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * kPiece + cc * kChunk;
+  };
+  // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes); the producer
+  // warp then refills them with the stream's next pieces.
+  auto release_piece = [&] {
+#pragma unroll
+    for (int h = 0; h < R; ++h)
+      if (h < SR) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
+    rs += SR;
+    if (rs >= S) rs -= S, rpar ^= 1u;
+  };
   int n = r0;
   if constexpr (MMA) {  // (every width a multiple of 256: mega_geometry)
     // Rows on the tensor cores (mma_chunk): a row of 1024 weights is 8 MMAs and one warp sum.
-    const bool packed = K <= kChunk;  // rows of one chunk, two to a slot (or a gate row and its up row)
     if constexpr (R == 1) {
       if (packed) {
         for (; n + 1 < r1; n += 2) {
-          st.slot_wait(bars + rs, rpar, rs, trace_phase);
-          const bf16* slot = rbase + std::size_t(rs) * kPiece;
+          wait_piece();  // both rows in one slot
           float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_chunk2(slot, slot + K, xs, K, lane, c0, c1);
-          mbar_arrive(empty + rs);  // every lane, after its reads (see the FMA path)
-          if (++rs == S) rs = 0, rpar ^= 1u;
+          mma_chunk2(piece_data(0, 0), piece_data(1, 0), xs, K, lane, c0, c1);
+          release_piece();
           const float a0 = warp_sum(mma_diag(c0, lane)), a1 = warp_sum(mma_diag(c1, lane));
           finish(n, a0, 0.f);
           finish(n + 1, a1, 0.f);
         }
       }
     }
-    const int SR = packed ? 1 : R;  // slots per piece
     for (; n < r1; ++n) {
       float c[R][4];
 #pragma unroll
       for (int h = 0; h < R; ++h) c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.f;
       for (int piece = 0; piece < P; ++piece) {
         const int k0 = piece * kPiece;
-#pragma unroll
-        for (int h = 0; h < R; ++h) {
-          int s = rs + h;
-          unsigned parity = rpar;
-          if (s >= S) s -= S, parity ^= 1u;
-          if (h < SR) st.slot_wait(bars + s, parity, s, trace_phase);
-        }
+        wait_piece();
         for (int cc = 0; cc < kPiece / kChunk && k0 + cc * kChunk < K; ++cc) {
           const int Kc = min(kChunk, K - k0 - cc * kChunk);
-          const bf16* slot0 = rbase + std::size_t(rs) * kPiece + (packed ? 0 : cc * kChunk);
-          if constexpr (R == 2) {  // the gate and up rows: the same x
-            const bf16* slot1 = packed ? slot0 + K : rbase + std::size_t(rs + 1 < S ? rs + 1 : rs + 1 - S) * kPiece + cc * kChunk;
-            mma_chunk2(slot0, slot1, xs + k0 + cc * kChunk, Kc, lane, c[0], c[R - 1]);
-          } else {
-            mma_chunk(slot0, xs + k0 + cc * kChunk, Kc, lane, c[0]);
-          }
+          if constexpr (R == 2)  // the gate and up rows: the same x
+            mma_chunk2(piece_data(0, cc), piece_data(1, cc), xs + k0 + cc * kChunk, Kc, lane, c[0], c[R - 1]);
+          else
+            mma_chunk(piece_data(0, cc), xs + k0 + cc * kChunk, Kc, lane, c[0]);
         }
-#pragma unroll
-        for (int h = 0; h < R; ++h)
-          if (h < SR) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
-        rs += SR;
-        if (rs >= S) rs -= S, rpar ^= 1u;
+        release_piece();
       }
       float a[R];
 #pragma unroll
@@ -494,20 +503,17 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
       for (; n + 1 < r1; n += 2) {
         uint4 w[2][4];
-        st.slot_wait(bars + rs, rpar, rs, trace_phase);  // both rows in one (packed) slot
+        wait_piece();  // both rows in one slot
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const bf16* slot = rbase + std::size_t(rs) * kPiece + i * K;
+          const bf16* slot = piece_data(i, 0);
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int k = u * 256 + lane * 8;
             w[i][u] = k < K ? *reinterpret_cast<const uint4*>(slot + k) : make_uint4(0, 0, 0, 0);
           }
         }
-        // Every lane releases the slot it read (an empty barrier counts the warp's 32 lanes): the
-        // producer's refill then follows each lane's reads.
-        mbar_arrive(empty + rs);
-        if (++rs == S) rs = 0, rpar ^= 1u;
+        release_piece();
         float a0 = 0.f, a1 = 0.f;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -526,30 +532,20 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       }
     }
   }
-  // Packed rows (K <= kChunk): a lone last row, or a gate row and its up row, in one slot.
-  const bool packed = K <= kChunk;
-  const int SR = packed ? 1 : R;  // slots per piece
   for (; !MMA && n < r1; ++n) {
     float acc[R];
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = 0.f;
     for (int piece = 0; piece < P; ++piece) {
       const int k0 = piece * kPiece;
-#pragma unroll
-      for (int h = 0; h < R; ++h) {  // unpacked: the gate and up pieces are consecutive slots
-        int s = rs + h;
-        unsigned parity = rpar;
-        if (s >= S) s -= S, parity ^= 1u;
-        if (h < SR) st.slot_wait(bars + s, parity, s, trace_phase);
-      }
+      wait_piece();
       // The per-matrix kernels' order: 1024-wide chunks, then u, then the 8 weights of a 16-byte load
       // (the gate and up rows are independent chains).
       for (int c = 0; c < kPiece / kChunk && k0 + c * kChunk < K; ++c) {
         uint4 w[R][4];
 #pragma unroll
         for (int h = 0; h < R; ++h) {
-          const bf16* slot = packed ? rbase + std::size_t(rs) * kPiece + h * K
-                                    : rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * kPiece + c * kChunk;
+          const bf16* slot = piece_data(h, c);
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int k = u * 256 + lane * 8;
@@ -572,13 +568,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
           }
         }
       }
-      // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes); the
-      // producer warp then refills them with the stream's next pieces.
-#pragma unroll
-      for (int h = 0; h < R; ++h)
-        if (h < SR) mbar_arrive(empty + (rs + h < S ? rs + h : rs + h - S));
-      rs += SR;
-      if (rs >= S) rs -= S, rpar ^= 1u;
+      release_piece();
     }
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = warp_sum(acc[h]);
@@ -779,24 +769,6 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   st.mark(phase_att(l), 2);
 }
 
-/// Asks L2 for the K/V lines of the first pass of attention item (kv head kvh, chunk c) of layer l
-/// (positions written in earlier steps), so that attention's loads at the start of that phase find
-/// them in L2 instead of queueing behind the weight streams for HBM.
-template <int D>
-__device__ __forceinline__ void prefetch_kv(const MegaParams& p, int l, int kvh, int c, const Step& st) {
-  const AttnChunks ch = attn_chunks(p, st.pos + 1);
-  if (c >= ch.chunks) return;
-  constexpr int E = D / 64;  // 128-byte lines per K (or V) row
-  const int begin = c * ch.chunk, end = min(min(st.pos, begin + ch.chunk), begin + kAttnPass);
-  const KvPool& kv = p.kv;
-  for (int i = st.tid; i < (end - begin) * 2 * E; i += kCThreads) {
-    const int t = begin + i / (2 * E), r = i % (2 * E);
-    const bf16* base = kv.base + std::size_t(l) * kv.layer_stride() + (r < E ? 0 : kv.kv_stride());
-    prefetch_l2(base + ((std::size_t(st.table[t / kv.block_size]) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D +
-                (r % E) * 64);
-  }
-}
-
 /// Split attention's second half for the item of attention_phase (several chunks only): chunk c's
 /// block merges every chunk's partial state for its share of the item's G * D outputs (in chunk
 /// order, the per-matrix kernel's combine) and writes those output words.
@@ -960,14 +932,12 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
       item_s = it < row_split(blockIdx.x + 1, items, gridDim.x) ? make_int4(gi / (G / GA), gi % (G / GA) * GA, it % p.attn_splits, 0)
                                                                  : make_int4(-1, 0, 0, 0);
     consumer_sync();
-    if (item_s.x >= 0) prefetch_kv<D>(p, 0, item_s.x, item_s.z, st);
   }
   for (int l = 0; l < p.num_layers; ++l) {
     gemv_phase<kQkv, MMA>(p, l, st, ring, red, best_v, best_i);
     if (const int4 item = item_s; item.x >= 0) {
       attention_phase<D, GA>(p, l, item.x, item.y, G, item.z, st);
       attention_combine<D, GA>(p, l, item.x, item.y, G, item.z, st);
-      if (l + 1 < p.num_layers) prefetch_kv<D>(p, l + 1, item.x, item.z, st);
     }
     gemv_phase<kO, MMA>(p, l, st, ring, red, best_v, best_i);
     gemv_phase<kGateUp, MMA>(p, l, st, ring, red, best_v, best_i);
