@@ -8,8 +8,9 @@
 // * Weights stream per warp. Each GEMV phase's rows are split evenly over the grid's consumer warps;
 //   a warp's rows of every phase, in phase order, form one stream of 4 KiB pieces that the block's
 //   producer warp copies into the warp's ring of shared-memory slots (cp.async.bulk, one mbarrier per
-//   slot) as soon as the warp frees a slot. Weights never depend on activations, so the rings run ahead across phase and layer
-//   boundaries: while a phase waits for the previous one, the next phases' weights keep arriving.
+//   slot) as soon as the warp frees a slot. Weights never depend on activations, so the rings run
+//   ahead across phase and layer boundaries: while a phase waits for the previous one, the next
+//   phases' weights keep arriving.
 // * Phases hand activations over without fences. A gpu-scope fence (and so every release) waits for
 //   all the bulk copies its block has in flight (H200: 4.4 us with 192 KiB in flight; 0.3 us with
 //   none), which is what made the streaming kernel's phase transitions cost 4-5 us. Here every
@@ -24,17 +25,19 @@
 // it before the next version can be written (each write depends, through the phase chain, on all
 // reads of the previous version), so one buffer per activation suffices.
 //
-// Arithmetic is that of the per-matrix kernels (x rounded to bf16, the same per-lane summation order
-// as the pipelined and ring GEMVs, the same attention code path): for contexts that decode attention
-// does not split, the logits are bit-identical to the `ring` / `rowpipe` kernels'.
+// GEMV rows run on the tensor cores by default (MegaParams::mma): each 1024-wide chunk of a row is
+// 8 m16n8k16 MMAs whose diagonal holds the row's 8 segment sums (mega.cu, mma_chunk); rows of at
+// most 1024 weights are packed two to a slot. With mma = 0 the rows use the per-matrix kernels'
+// arithmetic (x rounded to bf16, the same per-lane FMA order as the pipelined and ring GEMVs), and
+// with the same attention code path and split the logits are bit-identical to the `ring` kernels'.
 //
 // Attention is split over blocks: an item is (kv head, up to 2 of its query heads, chunk of the
 // context), with chunks of at least attn_min_chunk positions and at most attn_splits of them (by
 // default 128 positions, the per-matrix kernel's minimum, and as many chunks as there are blocks
 // per head group). Each chunk's block writes its partial softmax state as tagged words, then merges
 // its share of the outputs from every chunk's state. The merge is a second handoff (~3 us on an
-// H200), worth it only past two passes of 64 positions (docs/perf-notes.md, eighth round). With the per-matrix kernel's splits and minimum chunk (MegaParams::attn_splits,
-// attn_min_chunk) the chunks and the merge are its split-KV's, and the logits stay bit-identical.
+// H200), worth it only past two passes of 64 positions (docs/perf-notes.md, eighth round). With the
+// per-matrix kernel's splits and minimum chunk the chunks and the merge are its split-KV's.
 //
 // Example (what model.cu does for bucket 1):
 //   MegaParams p = ...;                                   // weights, metadata, tagged buffers, counters
