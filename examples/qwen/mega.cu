@@ -312,32 +312,22 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a01, unsigned a
 /// pattern); lanes 4g .. 4g + 3 form segment g, which is A's row g (x) and B's column g (the
 /// weights), so the diagonal of C = A B holds the 8 segment sums (mma_diag). Each lane gives A and B
 /// the same k positions, so every product lands on the diagonal once.
-__device__ __forceinline__ void mma_chunk(const bf16* w, const bf16* x, int Kc, int lane, float (&c)[4]) {
-  const int q = lane * 8;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (i < (Kc >> 8)) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(w + q + i * 256);
-      const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 256);
-      mma_bf16(c, xv.x, xv.y, wv.x, wv.y);
-      mma_bf16(c, xv.z, xv.w, wv.z, wv.w);
-    }
-  }
-}
-/// The same for two rows (w0, w1) at once: x loaded once, two independent accumulator chains.
-__device__ __forceinline__ void mma_chunk2(const bf16* w0, const bf16* w1, const bf16* x, int Kc, int lane,
-                                           float (&c0)[4], float (&c1)[4]) {
+/// NR rows share x: it is loaded once, and each row has its own accumulator chain.
+template <int NR>
+__device__ __forceinline__ void mma_chunk(const bf16* const (&w)[NR], const bf16* x, int Kc, int lane,
+                                          float (&c)[NR][4]) {
   const int q = lane * 8;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (i < (Kc >> 8)) {
       const uint4 xv = *reinterpret_cast<const uint4*>(x + q + i * 256);
-      const uint4 v0 = *reinterpret_cast<const uint4*>(w0 + q + i * 256);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(w1 + q + i * 256);
-      mma_bf16(c0, xv.x, xv.y, v0.x, v0.y);
-      mma_bf16(c1, xv.x, xv.y, v1.x, v1.y);
-      mma_bf16(c0, xv.z, xv.w, v0.z, v0.w);
-      mma_bf16(c1, xv.z, xv.w, v1.z, v1.w);
+      uint4 v[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) v[r] = *reinterpret_cast<const uint4*>(w[r] + q + i * 256);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) mma_bf16(c[r], xv.x, xv.y, v[r].x, v[r].y);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) mma_bf16(c[r], xv.z, xv.w, v[r].z, v[r].w);
     }
   }
 }
@@ -457,10 +447,10 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       if (packed) {
         for (; n + 1 < r1; n += 2) {
           wait_piece();  // both rows in one slot
-          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_chunk2(piece_data(0, 0), piece_data(1, 0), xs, K, lane, c0, c1);
+          float c[2][4] = {};
+          mma_chunk<2>({piece_data(0, 0), piece_data(1, 0)}, xs, K, lane, c);
           release_piece();
-          const float a0 = warp_sum(mma_diag(c0, lane)), a1 = warp_sum(mma_diag(c1, lane));
+          const float a0 = warp_sum(mma_diag(c[0], lane)), a1 = warp_sum(mma_diag(c[1], lane));
           finish(n, a0, 0.f);
           finish(n + 1, a1, 0.f);
         }
@@ -474,11 +464,10 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
         const int k0 = piece * kPiece;
         wait_piece();
         for (int cc = 0; cc < kPiece / kChunk && k0 + cc * kChunk < K; ++cc) {
-          const int Kc = min(kChunk, K - k0 - cc * kChunk);
-          if constexpr (R == 2)  // the gate and up rows: the same x
-            mma_chunk2(piece_data(0, cc), piece_data(1, cc), xs + k0 + cc * kChunk, Kc, lane, c[0], c[R - 1]);
-          else
-            mma_chunk(piece_data(0, cc), xs + k0 + cc * kChunk, Kc, lane, c[0]);
+          const bf16* w[R];  // gate/up: the gate and up rows (the same x)
+#pragma unroll
+          for (int h = 0; h < R; ++h) w[h] = piece_data(h, cc);
+          mma_chunk<R>(w, xs + k0 + cc * kChunk, min(kChunk, K - k0 - cc * kChunk), lane, c);
         }
         release_piece();
       }
