@@ -254,7 +254,7 @@ struct Step {
     if (trace == nullptr) return;
     unsigned long long* at = trace + (std::size_t(blockIdx.x) * phases + phase) * kMegaMarks + what;
     if (what < 2 && tid == 0) *at = global_ns();
-    if (what == 0 && tid == 0) at[3] = 0, at[4] = 0;  // the GEMV phases' wait counters (slot_wait)
+    if (what == 0 && tid == 0) at[3] = 0, at[4] = 0, at[5] = 0, at[6] = 0, at[7] = 0;  // GEMV counters
     if (what >= 2 && lane == 0) atomicMax(at, global_ns());
   }
 };
@@ -336,6 +336,34 @@ __device__ __forceinline__ void mma_chunk(const bf16* const (&w)[NR], const bf16
 __device__ __forceinline__ float mma_diag(const float (&c)[4], int lane) {
   return (lane & 3) == (lane >> 3) ? ((lane >> 2) & 1 ? c[1] : c[0]) : 0.f;
 }
+
+// Diagnostics (a build with -DQWEN_MEGA_PROF=1 and QWEN_MEGA_TRACE=1): SM cycles per warp in the
+// tensor-core rows' slot waits, arithmetic (MMAs, slot release) and epilogues (warp sums, output words),
+// summed over the block's warps into trace stamps 5, 6 and 7 of each GEMV phase.
+#ifndef QWEN_MEGA_PROF
+#define QWEN_MEGA_PROF 0
+#endif
+struct RowProf {
+#if QWEN_MEGA_PROF
+  long long t = 0, wait = 0, math = 0, epi = 0;
+  __device__ __forceinline__ void start() { t = clock64(); }
+  __device__ __forceinline__ void lap(long long& acc) {
+    const long long now = clock64();
+    acc += now - t;
+    t = now;
+  }
+  __device__ __forceinline__ void flush(unsigned long long* at, int lane) const {
+    if (at != nullptr && lane == 0)
+      atomicAdd(at + 5, static_cast<unsigned long long>(wait)), atomicAdd(at + 6, static_cast<unsigned long long>(math)),
+          atomicAdd(at + 7, static_cast<unsigned long long>(epi));
+  }
+#else
+  long long wait, math, epi;
+  __device__ __forceinline__ void start() {}
+  __device__ __forceinline__ void lap(long long&) {}
+  __device__ __forceinline__ void flush(unsigned long long*, int) const {}
+#endif
+};
 
 /// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
 template <int KIND, bool MMA>
@@ -441,18 +469,23 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     if (rs >= S) rs -= S, rpar ^= 1u;
   };
   int n = r0;
+  RowProf prof;
+  prof.start();
   if constexpr (MMA) {  // (every width a multiple of 256: mega_geometry)
     // Rows on the tensor cores (mma_chunk): a row of 1024 weights is 8 MMAs and one warp sum.
     if constexpr (R == 1) {
       if (packed) {
         for (; n + 1 < r1; n += 2) {
           wait_piece();  // both rows in one slot
+          prof.lap(prof.wait);
           float c[2][4] = {};
           mma_chunk<2>({piece_data(0, 0), piece_data(1, 0)}, xs, K, lane, c);
           release_piece();
+          prof.lap(prof.math);
           const float a0 = warp_sum(mma_diag(c[0], lane)), a1 = warp_sum(mma_diag(c[1], lane));
           finish(n, a0, 0.f);
           finish(n + 1, a1, 0.f);
+          prof.lap(prof.epi);
         }
       }
     }
@@ -463,6 +496,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       for (int piece = 0; piece < P; ++piece) {
         const int k0 = piece * kPiece;
         wait_piece();
+        prof.lap(prof.wait);
         for (int cc = 0; cc < kPiece / kChunk && k0 + cc * kChunk < K; ++cc) {
           const bf16* w[R];  // gate/up: the gate and up rows (the same x)
 #pragma unroll
@@ -470,11 +504,13 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
           mma_chunk<R>(w, xs + k0 + cc * kChunk, min(kChunk, K - k0 - cc * kChunk), lane, c);
         }
         release_piece();
+        prof.lap(prof.math);
       }
       float a[R];
 #pragma unroll
       for (int h = 0; h < R; ++h) a[h] = warp_sum(mma_diag(c[h], lane));
       finish(n, a[0], a[R - 1]);
+      prof.lap(prof.epi);
     }
   }
   if constexpr (R == 1 && !MMA) {
@@ -564,6 +600,8 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     finish(n, acc[0], acc[R - 1]);
   }
   ring.s = rs, ring.parity = rpar;
+  prof.flush(st.trace == nullptr ? nullptr : st.trace + (std::size_t(blockIdx.x) * st.phases + trace_phase) * kMegaMarks,
+             lane);
   st.mark(trace_phase, 2);
 }
 

@@ -54,7 +54,7 @@
 namespace qwen {
 
 /// Stamps per block and phase of the persistent kernel's trace (MegaParams::trace).
-inline constexpr int kMegaMarks = 6;
+inline constexpr int kMegaMarks = 8;
 /// Consumer warps per block of the persistent kernel (plus one producer warp).
 inline constexpr int kMegaWarps = 8;
 
@@ -103,8 +103,9 @@ struct MegaParams {
   int slots = 0;             ///< ring slots per warp
   /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][kMegaMarks] %globaltimer stamps per block
   /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
-  /// state shared; GEMV: ns waited for ring slots summed over warps, slots found empty) of the last
-  /// step run; nullptr: none recorded.
+  /// state shared; GEMV: ns waited for ring slots summed over warps, slots found empty; with a
+  /// QWEN_MEGA_PROF build also SM cycles summed over warps in slot waits, row arithmetic and row
+  /// epilogues) of the last step run; nullptr: none recorded.
   unsigned long long* trace = nullptr;
 };
 

@@ -448,6 +448,7 @@ struct Engine::Impl {
     done[0] = start;
     static const char* names[] = {"qkv", "attention", "o", "gate/up", "down", "lm_head"};
     std::vector<std::vector<double>> gap(6), staged(6), staged_max(6), rows(6), rows_max(6), waits(6), waited(6);
+    std::vector<std::vector<double>> cyc_wait(6), cyc_math(6), cyc_epi(6);  // QWEN_MEGA_PROF builds
     std::vector<double> own, pass, shared;  // attention after staging: own chunk done, pass done, state shared
     auto median = [](std::vector<double> v) {
       if (v.empty()) return 0.0;
@@ -465,6 +466,8 @@ struct Engine::Impl {
         if (kind != 1) {  // GEMV: ring slots found empty, and the time waited for them (all warps)
           waits[kind].push_back(static_cast<double>(t[(std::size_t(b) * P + ph) * kMegaMarks + 4]));
           waited[kind].push_back(at(b, ph, 3) / kMegaWarps);
+          auto raw = [&](int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * kMegaMarks + w]) / kMegaWarps; };
+          if (raw(6) > 0) cyc_wait[kind].push_back(raw(5)), cyc_math[kind].push_back(raw(6)), cyc_epi[kind].push_back(raw(7));
         }
         if (kind == 1 && at(b, ph, 3) > 0) {
           ow.push_back(at(b, ph, 3) - at(b, ph, 1));
@@ -499,6 +502,9 @@ struct Engine::Impl {
         s += fmt::format("\n             (ring slots found empty: {:.1f} per block and phase; {:.2f} us waited per warp)",
                          w / waits[k].size(), ns / waited[k].size());
       }
+      if (!cyc_math[k].empty())
+        s += fmt::format("\n             (rows, SM cycles per warp: slot waits {:.0f}, arithmetic {:.0f}, epilogues {:.0f})",
+                         median(cyc_wait[k]), median(cyc_math[k]), median(cyc_epi[k]));
       if (k == 1 && !own.empty())
         s += fmt::format("\n             (attention, after staging: pass over the positions done {:5.2f} us, cross-warp "
                          "state shared {:5.2f}, own chunk written {:5.2f}; the rest merges the chunks)",
