@@ -1,8 +1,8 @@
 // examples/qwen/mega.cu: the persistent decode kernel (see mega.cuh), then its launcher.
 //
 // Block = 8 consumer warps + 1 producer warp, one block per SM. Shared memory: per consumer warp a
-// ring of `slots` 4 KiB slots, then a work area used either by a GEMV phase (the staged input x as
-// bf16, and the fp32 residual row the RMSNorm reads) or by an attention item (q, the cross-warp
+// ring of `slots` slots (MegaParams::piece weights each, 4-6 KiB), then a work area used either by a
+// GEMV phase (the staged input x as bf16, and the fp32 residual row the RMSNorm reads) or by an attention item (q, the cross-warp
 // softmax state, the new K/V). Attention items are (kv head, up to 2 of its query heads, chunk of the
 // context), each on its own block; with several chunks each writes its partial state, then merges its
 // share of the outputs from all of them (attention_combine).
@@ -42,9 +42,12 @@ constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of 
                                        // kernels' 8, so that the summation orders match theirs)
 constexpr int kMaxRingSlots = 16;      // slots per warp at most
 constexpr int kChunk = 1024;           // weights per lane-chunk (the per-matrix GEMVs' summation unit)
-constexpr int kPiece = 2 * kChunk;     // weights per slot (4 KiB of bf16; 2 KiB: 4B 2.88 -> 3.32 ms, H200)
+// Weights per slot: MegaParams::piece (mega_geometry: 2048, 2560 or 3072). 4 KiB of bf16 against 2 KiB:
+// 4B 2.88 -> 3.32 ms (H200); rows of 2560 weights in 4 KiB slots filled their second slot a quarter.
+constexpr int kMaxPiece = 4 * kChunk;
 constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging (12: spills)
-constexpr int kSmemLayers = 64;        // layer tables up to this long are copied to shared memory
+constexpr int kSmemLayers = 48;        // layer tables up to this long are copied to shared memory
+                                       // (64: 4B's fifth 5 KiB slot per warp did not fit)
 constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
 
 // ------------------------------------------------------------------------------------------------
@@ -155,7 +158,8 @@ struct Cursor {
 };
 
 /// From GEMV c.j on, the first with rows for warp g (c.j = 4 L + 1: the stream has ended).
-__device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW) {
+__device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
+                                            int piece) {
   for (; c.j <= 4 * p.num_layers; ++c.j) {
     c.m = gemv_of(p, layers, c.j);
     c.row = row_split(g, c.m.N, GW);
@@ -163,27 +167,29 @@ __device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, cons
     if (c.row < c.end) {
       c.halves = gemv_halves(p, c.j);
       c.unit = 0;
-      c.units = c.m.K <= kChunk ? 1 : (c.m.K + kPiece - 1) / kPiece * c.halves;
+      c.units = c.m.K <= kChunk ? 1 : (c.m.K + piece - 1) / piece * c.halves;
       return;
     }
   }
 }
-__device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW) {
+__device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
+                                            int piece) {
   if (++c.unit < c.units) return;
   c.unit = 0;
   c.row += c.m.K <= kChunk && c.halves == 1 && c.row + 1 < c.end ? 2 : 1;
   if (c.row < c.end) return;
   ++c.j;
-  cursor_seek(c, p, layers, g, GW);
+  cursor_seek(c, p, layers, g, GW, piece);
 }
 /// Lane 0: the cursor's piece into slot s, then advance (nothing once the stream has ended).
 __device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
+                                             int piece,
                                              bf16* ring,
                                              unsigned long long* bars, int s, unsigned long long pol) {
   if (c.j > 4 * p.num_layers) return;
   if (c.m.K <= kChunk) {  // packed: rows c.row and c.row + 1, or gate row c.row and its up row
     const unsigned row_bytes = static_cast<unsigned>(c.m.K) * sizeof(bf16);
-    bf16* dst = ring + std::size_t(s) * kPiece;
+    bf16* dst = ring + std::size_t(s) * piece;
     const bf16* src = c.m.W + std::size_t(c.row) * c.m.K;
     if (c.halves == 2) {
       mbar_arrive_tx(bars + s, 2 * row_bytes);
@@ -194,15 +200,15 @@ __device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, con
       mbar_arrive_tx(bars + s, bytes);
       bulk_load(dst, src, bytes, bars + s, pol);
     }
-    cursor_next(c, p, layers, g, GW);
+    cursor_next(c, p, layers, g, GW, piece);
     return;
   }
-  const int half = c.unit % c.halves, k0 = c.unit / c.halves * kPiece;
-  const unsigned bytes = static_cast<unsigned>(min(kPiece, c.m.K - k0)) * sizeof(bf16);
+  const int half = c.unit % c.halves, k0 = c.unit / c.halves * piece;
+  const unsigned bytes = static_cast<unsigned>(min(piece, c.m.K - k0)) * sizeof(bf16);
   mbar_arrive_tx(bars + s, bytes);
-  bulk_load(ring + std::size_t(s) * kPiece, c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0, bytes, bars + s,
+  bulk_load(ring + std::size_t(s) * piece, c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0, bytes, bars + s,
             pol);
-  cursor_next(c, p, layers, g, GW);
+  cursor_next(c, p, layers, g, GW, piece);
 }
 
 /// A warp's consuming side of its ring.
@@ -366,7 +372,7 @@ struct RowProf {
 };
 
 /// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
-template <int KIND, bool MMA>
+template <int KIND, bool MMA, int PW>
 __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, float* red,
                            float& best_v, int& best_i) {
   constexpr int R = KIND == kGateUp ? 2 : 1;
@@ -411,7 +417,8 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   consumer_sync();
   st.mark(trace_phase, 1);
 
-  const int P = (K + kPiece - 1) / kPiece;
+  const int piece_w = PW != 0 ? PW : p.piece;  // weights per slot
+  const int P = (K + piece_w - 1) / piece_w;
   // Registers for the loop's state (the structs may live in local memory when this is not inlined).
   const int lane = st.lane, S = ring.slots;
   const bf16* xs = st.xs;
@@ -456,8 +463,8 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   };
   // Half h's weights of chunk cc of the current piece.
   auto piece_data = [&](int h, int cc) -> const bf16* {
-    return packed ? rbase + std::size_t(rs) * kPiece + h * K
-                  : rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * kPiece + cc * kChunk;
+    return packed ? rbase + std::size_t(rs) * piece_w + h * K
+                  : rbase + std::size_t(rs + h < S ? rs + h : rs + h - S) * piece_w + cc * kChunk;
   };
   // Every lane releases the slots it read (an empty barrier counts the warp's 32 lanes); the producer
   // warp then refills them with the stream's next pieces.
@@ -494,14 +501,24 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
 #pragma unroll
       for (int h = 0; h < R; ++h) c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.f;
       for (int piece = 0; piece < P; ++piece) {
-        const int k0 = piece * kPiece;
+        const int k0 = piece * piece_w;
         wait_piece();
         prof.lap(prof.wait);
-        for (int cc = 0; cc < kPiece / kChunk && k0 + cc * kChunk < K; ++cc) {
+        // This piece's chunks: whole chunks of a 2048-weight piece, else up to three, the last of
+        // them possibly partial (a multiple of 256). Two loops: the general one alone made the
+        // 0.6B step 2-4% slower (H200), which uses 2048-weight pieces.
+        auto chunk = [&](int cc, int Kc) {
           const bf16* w[R];  // gate/up: the gate and up rows (the same x)
 #pragma unroll
           for (int h = 0; h < R; ++h) w[h] = piece_data(h, cc);
-          mma_chunk<R>(w, xs + k0 + cc * kChunk, min(kChunk, K - k0 - cc * kChunk), lane, c);
+          mma_chunk<R>(w, xs + k0 + cc * kChunk, Kc, lane, c);
+        };
+        if (piece_w == 2 * kChunk) {
+          for (int cc = 0; cc < 2 && k0 + cc * kChunk < K; ++cc) chunk(cc, min(kChunk, K - k0 - cc * kChunk));
+        } else {
+          const int kend = min(piece_w, K - k0);
+#pragma unroll 1
+          for (int cc = 0; cc * kChunk < kend; ++cc) chunk(cc, min(kChunk, kend - cc * kChunk));
         }
         release_piece();
         prof.lap(prof.math);
@@ -562,11 +579,11 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = 0.f;
     for (int piece = 0; piece < P; ++piece) {
-      const int k0 = piece * kPiece;
+      const int k0 = piece * piece_w;
       wait_piece();
       // The per-matrix kernels' order: 1024-wide chunks, then u, then the 8 weights of a 16-byte load
       // (the gate and up rows are independent chains).
-      for (int c = 0; c < kPiece / kChunk && k0 + c * kChunk < K; ++c) {
+      for (int c = 0; c < piece_w / kChunk && k0 + c * kChunk < K; ++c) {
         uint4 w[R][4];
 #pragma unroll
         for (int h = 0; h < R; ++h) {
@@ -850,19 +867,21 @@ std::size_t attention_scratch() {
 /// The producer warp: lane w < kMW keeps consumer warp w's ring full, the stream's first `slots`
 /// pieces at once, then each next piece as soon as the warp releases the slot it goes into. The
 /// lanes poll their "empty" barriers together (non-blocking), so one lane's wait never holds another.
+template <int PW>
 __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned char* smem,
                         unsigned long long (*full)[kMaxRingSlots], unsigned long long (*empty)[kMaxRingSlots], int S,
                         int lane) {
   const int GW = gridDim.x * kMW, g = blockIdx.x * kMW + lane, end = 4 * p.num_layers;
+  const int piece = PW != 0 ? PW : p.piece;
   const unsigned long long pol = evict_first_policy();
   bool active = lane < kMW;
   Cursor c{};
   bf16* base = nullptr;
   if (active) {
-    base = reinterpret_cast<bf16*>(smem) + std::size_t(lane) * S * kPiece;
+    base = reinterpret_cast<bf16*>(smem) + std::size_t(lane) * S * piece;
     c.j = 0;
-    cursor_seek(c, p, layers, g, GW);
-    for (int s = 0; s < S; ++s) cursor_issue(c, p, layers, g, GW, base, full[lane], s, pol);
+    cursor_seek(c, p, layers, g, GW, piece);
+    for (int s = 0; s < S; ++s) cursor_issue(c, p, layers, g, GW, piece, base, full[lane], s, pol);
     active = c.j <= end;
   }
   int s = 0;
@@ -873,7 +892,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
       // The consumer lanes' reads of the slot (generic proxy) are ordered before the bulk copy that
       // overwrites it (async proxy): the barrier's release/acquire, then a proxy fence.
       fence_proxy_async();
-      cursor_issue(c, p, layers, g, GW, base, full[lane], s, pol);
+      cursor_issue(c, p, layers, g, GW, piece, base, full[lane], s, pol);
       if (++s == S) s = 0, parity ^= 1u;
       active = c.j <= end;
       issued = true;
@@ -882,7 +901,8 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   }
 }
 
-template <int D, int G, bool MMA>
+/// PW: weights per ring slot, or 0 for MegaParams::piece (a run-time value cost the 0.6B step 1.5%).
+template <int D, int G, bool MMA, int PW>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
   constexpr int GA = attention_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
@@ -921,7 +941,8 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   st.epoch = __ldcg(p.sync);  // written by the previous step's last block (kernel boundary)
   st.phases = 5u * static_cast<unsigned>(p.num_layers) + 2u;
   st.trace = p.trace;
-  st.work = smem + std::size_t(kMW) * S * kPiece * sizeof(bf16);
+  const int piece = PW != 0 ? PW : p.piece;
+  st.work = smem + std::size_t(kMW) * S * piece * sizeof(bf16);
   st.xs = reinterpret_cast<bf16*>(st.work);
   // xf (the residual row) is only used by the phases with an RMSNorm, whose x has `hidden` values: it
   // starts after those, over the part of xs that only the wider inputs (attention output, SiLU
@@ -929,9 +950,9 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   st.xf = reinterpret_cast<float*>(st.work + (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16);
 
   if (warp == kMW) {  // the producer warp: the weight streams (weights never depend on activations)
-    produce(p, st.layers, smem, bars, empty, S, lane);
+    produce<PW>(p, st.layers, smem, bars, empty, S, lane);
   } else {
-  Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * kPiece, bars[warp], empty[warp], S};
+  Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * piece, bars[warp], empty[warp], S};
 
   // Embedding of the row's token: this block's slice of x.
   {
@@ -961,16 +982,16 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
     consumer_sync();
   }
   for (int l = 0; l < p.num_layers; ++l) {
-    gemv_phase<kQkv, MMA>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kQkv, MMA, PW>(p, l, st, ring, red, best_v, best_i);
     if (const int4 item = item_s; item.x >= 0) {
       attention_phase<D, GA>(p, l, item.x, item.y, G, item.z, st);
       attention_combine<D, GA>(p, l, item.x, item.y, G, item.z, st);
     }
-    gemv_phase<kO, MMA>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kGateUp, MMA>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kDown, MMA>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kO, MMA, PW>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kGateUp, MMA, PW>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kDown, MMA, PW>(p, l, st, ring, red, best_v, best_i);
   }
-  gemv_phase<kLmHead, MMA>(p, 0, st, ring, red, best_v, best_i);
+  gemv_phase<kLmHead, MMA, PW>(p, 0, st, ring, red, best_v, best_i);
 
   // Argmax: the block's best key, then the last block out reduces them and ends the epoch.
   if (lane == 0) red_key[warp] = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
@@ -998,12 +1019,24 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
 using kernel_ptr = void (*)(const MegaParams);
 
-kernel_ptr pick(int D, int G, bool mma) {
-  if (D == 64 && G == 1) return mma ? mega_kernel<64, 1, true> : mega_kernel<64, 1, false>;
-  if (D == 64 && G == 2) return mma ? mega_kernel<64, 2, true> : mega_kernel<64, 2, false>;
-  if (D == 128 && G == 1) return mma ? mega_kernel<128, 1, true> : mega_kernel<128, 1, false>;
-  if (D == 128 && G == 2) return mma ? mega_kernel<128, 2, true> : mega_kernel<128, 2, false>;
-  if (D == 128 && G == 4) return mma ? mega_kernel<128, 4, true> : mega_kernel<128, 4, false>;
+/// The kernel for (head_dim, query heads per kv head, tensor-core rows, weights per slot): slots of
+/// 2048 weights are a compile-time constant; other sizes (tensor-core rows only) a run-time value.
+kernel_ptr pick(int D, int G, bool mma, int piece) {
+  if (piece != 2 * kChunk) {
+    if (!mma) return nullptr;
+    if (D == 64 && G == 1) return mega_kernel<64, 1, true, 0>;
+    if (D == 64 && G == 2) return mega_kernel<64, 2, true, 0>;
+    if (D == 128 && G == 1) return mega_kernel<128, 1, true, 0>;
+    if (D == 128 && G == 2) return mega_kernel<128, 2, true, 0>;
+    if (D == 128 && G == 4) return mega_kernel<128, 4, true, 0>;
+    return nullptr;
+  }
+  constexpr int P = 2 * kChunk;
+  if (D == 64 && G == 1) return mma ? mega_kernel<64, 1, true, P> : mega_kernel<64, 1, false, P>;
+  if (D == 64 && G == 2) return mma ? mega_kernel<64, 2, true, P> : mega_kernel<64, 2, false, P>;
+  if (D == 128 && G == 1) return mma ? mega_kernel<128, 1, true, P> : mega_kernel<128, 1, false, P>;
+  if (D == 128 && G == 2) return mma ? mega_kernel<128, 2, true, P> : mega_kernel<128, 2, false, P>;
+  if (D == 128 && G == 4) return mma ? mega_kernel<128, 4, true, P> : mega_kernel<128, 4, false, P>;
   return nullptr;
 }
 std::size_t scratch(int D, int G) {
@@ -1016,16 +1049,33 @@ std::size_t scratch(int D, int G) {
 
 }  // namespace
 
-bool mega_supported(int head_dim, int group) { return pick(head_dim, group, false) != nullptr; }
+bool mega_supported(int head_dim, int group) { return pick(head_dim, group, false, 2 * kChunk) != nullptr; }
 
 int mega_attention_splits(int kv_heads, int group, int grid) {
   const int groups = kv_heads * (group / attention_heads(group));
   return std::clamp(grid / std::max(groups, 1), 1, kMaxAttnSplits);
 }
 
+namespace {
+/// Slot weights a step's rows take with `piece` weights per slot (a row starts a new slot; rows of at
+/// most kChunk weights go two to a slot).
+double slot_weights(const MegaParams& p, int piece) {
+  double layer = 0.0, head = 0.0;
+  auto add = [&](double& b, double rows, int K, int halves) {
+    b += K <= kChunk ? (halves == 2 ? rows : rows / 2) * piece : rows * halves * ((K + piece - 1) / piece) * double(piece);
+  };
+  add(layer, p.q_dim + 2.0 * p.kv_dim, p.hidden, 1);
+  add(layer, p.hidden, p.q_dim, 1);
+  add(layer, p.intermediate, p.hidden, 2);
+  add(layer, p.hidden, p.intermediate, 1);
+  add(head, p.vocab, p.hidden, 1);
+  return layer * p.num_layers + head;
+}
+}  // namespace
+
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0);
-  if (k == nullptr) throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
+  const kernel_ptr k0 = pick(head_dim, group, p.mma != 0, 2 * kChunk);
+  if (k0 == nullptr) throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
   if (p.mma != 0 && (p.hidden % 256 != 0 || p.q_dim % 256 != 0 || p.intermediate % 256 != 0))
     throw replay::usage_error("qwen::mega_geometry: tensor-core rows need matrix widths that are multiples of 256");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
@@ -1043,22 +1093,43 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   REPLAY_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
   if (coop == 0) throw replay::usage_error("qwen::mega_geometry: the device has no cooperative launch");
   cudaFuncAttributes fa{};
-  REPLAY_CHECK(cudaFuncGetAttributes(&fa, k));
+  REPLAY_CHECK(cudaFuncGetAttributes(&fa, k0));  // (every variant has the same static shared memory)
   const std::size_t kmax = std::max({p.hidden, p.q_dim, p.intermediate});
   const std::size_t stage = std::max(kmax * sizeof(bf16),
                                      (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16 + std::size_t(p.hidden) * sizeof(float));
   const std::size_t work = (std::max(stage, scratch(head_dim, group)) + 127) / 128 * 128;
   const long long avail = static_cast<long long>(optin) - static_cast<long long>(fa.sharedSizeBytes) -
                           static_cast<long long>(work) - 1024;
-  long long slots = avail / (kMW * kPiece * static_cast<long long>(sizeof(bf16)));
-  slots = std::min<long long>({slots, max_slots, kMaxRingSlots});
+  // Weights per slot: p.piece, or (0) the candidate that keeps the most weights in flight per warp:
+  // slots that fit, times their size, times the share of slot space the step's rows fill (H200, 4B:
+  // 5 slots of 2560 weights, 2.58 ms against 2.64 with 6 of 2048). Only the tensor-core rows take
+  // other sizes than 2048 (the FMA rows keep the per-matrix kernels' order, and one variant each).
+  auto slots_of = [&](int piece) {
+    return std::min<long long>({avail / (kMW * piece * static_cast<long long>(sizeof(bf16))), max_slots, kMaxRingSlots});
+  };
+  int piece = p.piece;
+  if (piece == 0) {
+    const double useful = slot_weights(p, 1);  // every row in slots of one weight: no waste
+    double best = -1.0;
+    for (int c : {2 * kChunk, 5 * kChunk / 2, 3 * kChunk}) {
+      if (pick(head_dim, group, p.mma != 0, c) == nullptr) continue;
+      const double score = static_cast<double>(slots_of(c)) * c * useful / slot_weights(p, c);
+      if (score > best * 1.0001) best = score, piece = c;
+    }
+  }
+  if (piece < 2 * kChunk || piece > kMaxPiece || piece % 256 != 0 || pick(head_dim, group, p.mma != 0, piece) == nullptr)
+    throw replay::usage_error(fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core "
+                                          "rows a multiple of 256 in [2048, {}]", piece, kMaxPiece));
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece);
+  const long long slots = slots_of(piece);
   if (slots < 2)
     throw replay::usage_error(fmt::format("qwen::mega_geometry: {} B of staging leave no room for 2 ring slots per warp",
                                           work));
   MegaGeometry g;
   g.slots = static_cast<int>(slots);
-  g.slot_bytes = kPiece * static_cast<int>(sizeof(bf16));
-  g.smem = std::size_t(kMW) * g.slots * kPiece * sizeof(bf16) + work;
+  g.piece = piece;
+  g.slot_bytes = piece * static_cast<int>(sizeof(bf16));
+  g.smem = std::size_t(kMW) * g.slots * piece * sizeof(bf16) + work;
   REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
   int per_sm = 0;
   REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kMThreads, g.smem));
@@ -1071,9 +1142,10 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
 }
 
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece);
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
-  if (p.slots != g.slots) throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
+  if (p.slots != g.slots || p.piece != g.piece)
+    throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(g.grid);
   cfg.blockDim = dim3(kMThreads);

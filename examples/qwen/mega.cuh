@@ -6,7 +6,7 @@
 // the streaming kernel (stream.cuh):
 //
 // * Weights stream per warp. Each GEMV phase's rows are split evenly over the grid's consumer warps;
-//   a warp's rows of every phase, in phase order, form one stream of 4 KiB pieces that the block's
+//   a warp's rows of every phase, in phase order, form one stream of 4-6 KiB pieces that the block's
 //   producer warp copies into the warp's ring of shared-memory slots (cp.async.bulk, one mbarrier per
 //   slot) as soon as the warp frees a slot. Weights never depend on activations, so the rings run
 //   ahead across phase and layer boundaries: while a phase waits for the previous one, the next
@@ -41,8 +41,8 @@
 //
 // Example (what model.cu does for bucket 1):
 //   MegaParams p = ...;                                   // weights, metadata, tagged buffers, counters
-//   const MegaGeometry g = mega_geometry(p, head_dim, group, 16, num_sms);
-//   p.slots = g.slots;
+//   const MegaGeometry g = mega_geometry(p, head_dim, group, 16, num_sms);  // p.piece = 0: it picks
+//   p.slots = g.slots, p.piece = g.piece;
 //   launch_mega(p, head_dim, group, g, stream);          // one step; capturable in a graph
 #pragma once
 
@@ -101,6 +101,9 @@ struct MegaParams {
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key
   unsigned* sync = nullptr;  ///< [2] epoch, blocks exited (zero-initialised once)
   int slots = 0;             ///< ring slots per warp
+  /// Weights per ring slot: 2048, or with tensor-core rows a multiple of 256 up to 4096; 0:
+  /// mega_geometry picks one. Set it to the geometry's.
+  int piece = 0;
   /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][kMegaMarks] %globaltimer stamps per block
   /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
   /// state shared; GEMV: ns waited for ring slots summed over warps, slots found empty; with a
@@ -112,6 +115,7 @@ struct MegaParams {
 /// Shared-memory plan and grid of the persistent kernel.
 struct MegaGeometry {
   int slots = 0;         ///< ring slots per warp
+  int piece = 0;         ///< weights per slot
   int slot_bytes = 0;    ///< bytes of one slot
   std::size_t smem = 0;  ///< dynamic shared memory per block
   int grid = 0;          ///< blocks: one per SM
@@ -122,8 +126,9 @@ bool mega_supported(int head_dim, int group);
 /// Attention's default split: as many chunks per context as there are blocks per attention item
 /// (an item is a kv head and up to 2 of its query heads), at most kMaxAttnSplits.
 int mega_attention_splits(int kv_heads, int group, int grid);
-/// Chooses the rings (as many slots per warp as fit beside the staged activations, at most
-/// max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
+/// Chooses the rings (p.piece weights per slot, or with 0 the size among 2048, 2560 and 3072 that keeps
+/// the most weights in flight per warp; as many slots per warp as fit beside the staged activations,
+/// at most max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);
 /// Launches one decode step of one row (cooperative: every block resident).
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s);

@@ -428,8 +428,13 @@ struct Engine::Impl {
       REPLAY_CHECK(cudaMemset(mega_trace.data(), 0, mega_trace.size_bytes()));
       p.trace = mega_trace.data();
     }
+    // The geometry's choice of weights per slot; QWEN_MEGA_PIECE=n forces n with tensor-core rows
+    // (diagnostics; the FMA rows take 2048).
+    p.piece = 0;
+    if (const char* e = std::getenv("QWEN_MEGA_PIECE"); e != nullptr && std::atoi(e) > 0 && p.mma != 0) p.piece = std::atoi(e);
     mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
     p.slots = mega_geo.slots;
+    p.piece = mega_geo.piece;
     mega_on = true;
   }
   /// The persistent kernel's trace of the last step: per phase kind, medians over layers of the gap
