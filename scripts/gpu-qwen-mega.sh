@@ -3,8 +3,10 @@
 # `source .deps/tools/env.sh`:
 #   BIN_DIR=dir bash scripts/gpu-qwen-mega.sh [tests] [sanitize] [bench] [longctx] [parity] [chunks]
 #   (default: the first five)
-# tests:    the whole GPU test (every decode-kernel variant, mega included);
-# sanitize: memcheck of the GPU test cases that run mega, racecheck of the CLI with mega;
+# tests:    the whole GPU test (every decode-kernel variant, mega included), then the persistent
+#           kernel's cases with ring slots of 2560 and 3072 weights forced (QWEN_MEGA_PIECE);
+# sanitize: memcheck of the GPU test cases that run mega (also with 2560-weight slots), racecheck
+#           of the CLI with mega;
 # bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace;
 # longctx:  mega and ring after a 2000-token prompt;
 # parity:   parity.py against Hugging Face with the persistent kernel (tensor-core rows) decoding;
@@ -19,11 +21,20 @@ for stage in $stages; do
   case $stage in
     tests)
       timeout 400 "$bin/qwen_gpu" >"$out/mega_tests.log" 2>&1
-      echo "tests exit $?"; grep -E "doctest\] (test cases|assertions)" "$out/mega_tests.log" ;;
+      echo "tests exit $?"; grep -E "doctest\] (test cases|assertions)" "$out/mega_tests.log"
+      for pc in 2560 3072; do
+        QWEN_MEGA_PIECE=$pc QWEN_TEST_KERNELS=mega timeout 300 "$bin/qwen_gpu" -tc='the persistent kernel*' \
+          >"$out/mega_tests_$pc.log" 2>&1
+        echo "tests (slots of $pc weights) exit $?"; grep -E "doctest\] (test cases|assertions)" "$out/mega_tests_$pc.log"
+      done ;;
     sanitize)
       QWEN_TEST_KERNELS=mega timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu" \
         -tc='the persistent kernel*,eager and graph*,padding rows*' >"$out/mega_memcheck.log" 2>&1
       echo "memcheck exit $?"; grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck.log"
+      QWEN_MEGA_PIECE=2560 QWEN_TEST_KERNELS=mega timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        "$bin/qwen_gpu" -tc='the persistent kernel*' >"$out/mega_memcheck_2560.log" 2>&1
+      echo "memcheck (slots of 2560 weights) exit $?"
+      grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck_2560.log"
       timeout 150 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
         --random-prompt 12 --gen 6 --batch 1 --mode both --kernels mega >"$out/mega_racecheck.log" 2>&1
       echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck.log"
