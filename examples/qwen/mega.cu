@@ -274,8 +274,15 @@ __device__ __forceinline__ int phase_x_in(int l) { return l == 0 ? 0 : phase_dow
 
 /// xs = bf16(rmsnorm(xf) * w): the arithmetic and order of the per-matrix kernels' stage_x (B = 1,
 /// 8 warps: the sum of squares runs on warps 0..7), from the residual row polled into shared memory.
-__device__ __forceinline__ void rms_stage(const float* xf, const bf16* w, int K, float eps, bf16* xs, float* red,
-                                          const Step& st) {
+/// The norm weights, copied (cp.async, 16 bytes per thread) into xs, where rms_stage reads each
+/// thread's 8 weights just before it overwrites them with the same thread's 8 staged values. Issued
+/// before the phase polls its input, so that their L2 round trip, slow under the weight streams'
+/// load, overlaps the wait instead of following it.
+__device__ __forceinline__ void copy_norm(const bf16* w, int K, int tid, bf16* xs) {
+  for (int k = tid * 8; k < K; k += kCThreads * 8)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(xs + k)), "l"(w + k) : "memory");
+}
+__device__ __forceinline__ void rms_stage(const float* xf, int K, float eps, bf16* xs, float* red, const Step& st) {
   if (st.warp < kAW) {
     float ss = 0.f;
     for (int k = st.tid * 4; k < K; k += kAW * 32 * 4) {
@@ -290,9 +297,10 @@ __device__ __forceinline__ void rms_stage(const float* xf, const bf16* w, int K,
 #pragma unroll
   for (int i = 0; i < kAW; ++i) s += red[i];
   const float rs = rsqrtf(s / K + eps);
+  asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's norm weights (copy_norm) in xs
   for (int k = st.tid * 8; k < K; k += kCThreads * 8) {
     float g[8];
-    unpack8(*reinterpret_cast<const uint4*>(w + k), g);
+    unpack8(*reinterpret_cast<const uint4*>(xs + k), g);
     const float4 a = *reinterpret_cast<const float4*>(xf + k);
     const float4 c = *reinterpret_cast<const float4*>(xf + k + 4);
     uint4 o;
@@ -408,9 +416,10 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
 
   consumer_sync();  // every warp is done with the work area (previous phase)
   if constexpr (kNorm) {
+    copy_norm(norm_w, K, st.tid, st.xs);
     poll_range(in_words, K, in_tag, [&](int e, float v) { st.xf[e] = v; });
     consumer_sync();
-    rms_stage(st.xf, norm_w, K, p.eps, st.xs, red, st);
+    rms_stage(st.xf, K, p.eps, st.xs, red, st);
   } else {
     poll_range(in_words, K, in_tag, [&](int e, float v) { st.xs[e] = __float2bfloat16(v); });  // exact: bf16 values
   }
