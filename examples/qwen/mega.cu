@@ -2,13 +2,13 @@
 //
 // Block = 8 consumer warps + 1 producer warp, one block per SM. Shared memory: per consumer warp a
 // ring of `slots` slots (MegaParams::piece weights each, 4-6 KiB), then a work area used either by a
-// GEMV phase (the staged input x as bf16, and the fp32 residual row the RMSNorm reads) or by an attention item (q, the cross-warp
-// softmax state, the new K/V). Attention items are (kv head, up to 2 of its query heads, chunk of the
-// context), each on its own block; with several chunks each writes its partial state, then merges its
-// share of the outputs from all of them (attention_combine).
+// GEMV phase (the staged input x as bf16, and the fp32 residual row the RMSNorm reads) or by an
+// attention item (q, the cross-warp softmax state, the new K/V). Attention items are (kv head, up to
+// 2 of its query heads, chunk of the context), each on its own block; with several chunks each writes
+// its partial state, then merges its share of the outputs from all of them (attention_combine).
 //
 // Per GEMV phase a consumer warp owns the contiguous rows [g N / GW, (g + 1) N / GW) (g: the warp's
-// index in the grid, GW: consumer warps in the grid) and walks them piece by piece (up to 2048
+// index in the grid, GW: consumer warps in the grid) and walks them piece by piece (up to a slot's
 // weights of one row; gate and up pieces alternate for the gate/up projection); rows of at most
 // 1024 weights are packed two to a slot (two consecutive rows, or a gate row and its up row) and go
 // two at a time. Lane w of the producer warp keeps consumer warp w's ring full in
@@ -158,8 +158,8 @@ struct Cursor {
 };
 
 /// From GEMV c.j on, the first with rows for warp g (c.j = 4 L + 1: the stream has ended).
-__device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
-                                            int piece) {
+__device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g,
+                                            int GW, int piece) {
   for (; c.j <= 4 * p.num_layers; ++c.j) {
     c.m = gemv_of(p, layers, c.j);
     c.row = row_split(g, c.m.N, GW);
@@ -172,8 +172,8 @@ __device__ __forceinline__ void cursor_seek(Cursor& c, const MegaParams& p, cons
     }
   }
 }
-__device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
-                                            int piece) {
+__device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g,
+                                            int GW, int piece) {
   if (++c.unit < c.units) return;
   c.unit = 0;
   c.row += c.m.K <= kChunk && c.halves == 1 && c.row + 1 < c.end ? 2 : 1;
@@ -206,8 +206,8 @@ __device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, con
   const int half = c.unit % c.halves, k0 = c.unit / c.halves * piece;
   const unsigned bytes = static_cast<unsigned>(min(piece, c.m.K - k0)) * sizeof(bf16);
   mbar_arrive_tx(bars + s, bytes);
-  bulk_load(ring + std::size_t(s) * piece, c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0, bytes, bars + s,
-            pol);
+  bulk_load(ring + std::size_t(s) * piece, c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0, bytes,
+            bars + s, pol);
   cursor_next(c, p, layers, g, GW, piece);
 }
 
@@ -272,9 +272,7 @@ __device__ __forceinline__ int phase_down(int l) { return 5 + 5 * l; }
 /// The phase whose residual the layer l (num_layers: lm_head) starts from.
 __device__ __forceinline__ int phase_x_in(int l) { return l == 0 ? 0 : phase_down(l - 1); }
 
-/// xs = bf16(rmsnorm(xf) * w): the arithmetic and order of the per-matrix kernels' stage_x (B = 1,
-/// 8 warps: the sum of squares runs on warps 0..7), from the residual row polled into shared memory.
-/// The norm weights, copied (cp.async, 16 bytes per thread) into xs, where rms_stage reads each
+/// The norm weights w, copied (cp.async, 16 bytes per thread) into xs, where rms_stage reads each
 /// thread's 8 weights just before it overwrites them with the same thread's 8 staged values. Issued
 /// before the phase polls its input, so that their L2 round trip, slow under the weight streams'
 /// load, overlaps the wait instead of following it.
@@ -282,7 +280,11 @@ __device__ __forceinline__ void copy_norm(const bf16* w, int K, int tid, bf16* x
   for (int k = tid * 8; k < K; k += kCThreads * 8)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(xs + k)), "l"(w + k) : "memory");
 }
-__device__ __forceinline__ void rms_stage(const float* xf, int K, float eps, bf16* xs, float* red, const Step& st) {
+/// xs = bf16(rmsnorm(xf) * w), w in xs (copy_norm): the arithmetic and order of the per-matrix
+/// kernels' stage_x (B = 1, 8 warps: the sum of squares runs on warps 0..7), from the residual row
+/// polled into shared memory.
+__device__ __forceinline__ void rms_stage(const float* xf, int K, float eps, bf16* xs, float* red,
+                                          const Step& st) {
   if (st.warp < kAW) {
     float ss = 0.f;
     for (int k = st.tid * 4; k < K; k += kAW * 32 * 4) {
@@ -367,8 +369,9 @@ struct RowProf {
     t = now;
   }
   __device__ __forceinline__ void flush(unsigned long long* at, int lane) const {
-    if (at != nullptr && lane == 0)
-      atomicAdd(at + 5, static_cast<unsigned long long>(wait)), atomicAdd(at + 6, static_cast<unsigned long long>(math)),
+    if (lane == 0)
+      atomicAdd(at + 5, static_cast<unsigned long long>(wait)),
+          atomicAdd(at + 6, static_cast<unsigned long long>(math)),
           atomicAdd(at + 7, static_cast<unsigned long long>(epi));
   }
 #else
@@ -514,8 +517,8 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
         wait_piece();
         prof.lap(prof.wait);
         // This piece's chunks: whole chunks of a 2048-weight piece, else up to three, the last of
-        // them possibly partial (a multiple of 256). Two loops: the general one alone made the
-        // 0.6B step 2-4% slower (H200), which uses 2048-weight pieces.
+        // them possibly partial (a multiple of 256). Two loops: with the slot size a run-time
+        // value, the general one alone made the 0.6B step (2048-weight pieces) 2-4% slower (H200).
         auto chunk = [&](int cc, int Kc) {
           const bf16* w[R];  // gate/up: the gate and up rows (the same x)
 #pragma unroll
@@ -626,8 +629,8 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     finish(n, acc[0], acc[R - 1]);
   }
   ring.s = rs, ring.parity = rpar;
-  prof.flush(st.trace == nullptr ? nullptr : st.trace + (std::size_t(blockIdx.x) * st.phases + trace_phase) * kMegaMarks,
-             lane);
+  if (st.trace != nullptr)
+    prof.flush(st.trace + (std::size_t(blockIdx.x) * st.phases + trace_phase) * kMegaMarks, lane);
   st.mark(trace_phase, 2);
 }
 
@@ -1071,7 +1074,8 @@ namespace {
 double slot_weights(const MegaParams& p, int piece) {
   double layer = 0.0, head = 0.0;
   auto add = [&](double& b, double rows, int K, int halves) {
-    b += K <= kChunk ? (halves == 2 ? rows : rows / 2) * piece : rows * halves * ((K + piece - 1) / piece) * double(piece);
+    b += K <= kChunk ? (halves == 2 ? rows : rows / 2) * piece
+                     : rows * halves * ((K + piece - 1) / piece) * double(piece);
   };
   add(layer, p.q_dim + 2.0 * p.kv_dim, p.hidden, 1);
   add(layer, p.hidden, p.q_dim, 1);
@@ -1084,7 +1088,8 @@ double slot_weights(const MegaParams& p, int piece) {
 
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
   const kernel_ptr k0 = pick(head_dim, group, p.mma != 0, 2 * kChunk);
-  if (k0 == nullptr) throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
+  if (k0 == nullptr)
+    throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
   if (p.mma != 0 && (p.hidden % 256 != 0 || p.q_dim % 256 != 0 || p.intermediate % 256 != 0))
     throw replay::usage_error("qwen::mega_geometry: tensor-core rows need matrix widths that are multiples of 256");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
@@ -1114,7 +1119,8 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   // 5 slots of 2560 weights, 2.58 ms against 2.64 with 6 of 2048). Only the tensor-core rows take
   // other sizes than 2048 (the FMA rows keep the per-matrix kernels' order, and one variant each).
   auto slots_of = [&](int piece) {
-    return std::min<long long>({avail / (kMW * piece * static_cast<long long>(sizeof(bf16))), max_slots, kMaxRingSlots});
+    return std::min<long long>(
+        {avail / (kMW * piece * static_cast<long long>(sizeof(bf16))), max_slots, kMaxRingSlots});
   };
   int piece = p.piece;
   if (piece == 0) {
@@ -1126,9 +1132,12 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
       if (score > best * 1.0001) best = score, piece = c;
     }
   }
-  if (piece < 2 * kChunk || piece > kMaxPiece || piece % 256 != 0 || pick(head_dim, group, p.mma != 0, piece) == nullptr)
-    throw replay::usage_error(fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core "
-                                          "rows a multiple of 256 in [2048, {}]", piece, kMaxPiece));
+  if (piece < 2 * kChunk || piece > kMaxPiece || piece % 256 != 0 ||
+      pick(head_dim, group, p.mma != 0, piece) == nullptr)
+    throw replay::usage_error(
+        fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core rows "
+                    "a multiple of 256 in [2048, {}]",
+                    piece, kMaxPiece));
   const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece);
   const long long slots = slots_of(piece);
   if (slots < 2)

@@ -431,7 +431,8 @@ struct Engine::Impl {
     // The geometry's choice of weights per slot; QWEN_MEGA_PIECE=n forces n with tensor-core rows
     // (diagnostics; the FMA rows take 2048).
     p.piece = 0;
-    if (const char* e = std::getenv("QWEN_MEGA_PIECE"); e != nullptr && std::atoi(e) > 0 && p.mma != 0) p.piece = std::atoi(e);
+    if (const char* e = std::getenv("QWEN_MEGA_PIECE"); e != nullptr && std::atoi(e) > 0 && p.mma != 0)
+      p.piece = std::atoi(e);
     mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
     p.slots = mega_geo.slots;
     p.piece = mega_geo.piece;
@@ -471,8 +472,9 @@ struct Engine::Impl {
         if (kind != 1) {  // GEMV: ring slots found empty, and the time waited for them (all warps)
           waits[kind].push_back(static_cast<double>(t[(std::size_t(b) * P + ph) * kMegaMarks + 4]));
           waited[kind].push_back(at(b, ph, 3) / kMegaWarps);
-          auto raw = [&](int w) { return static_cast<double>(t[(std::size_t(b) * P + ph) * kMegaMarks + w]) / kMegaWarps; };
-          if (raw(6) > 0) cyc_wait[kind].push_back(raw(5)), cyc_math[kind].push_back(raw(6)), cyc_epi[kind].push_back(raw(7));
+          if (const double c = 1e3 / kMegaWarps; at(b, ph, 6) > 0)  // SM cycles per warp (at(): 1e-3)
+            cyc_wait[kind].push_back(at(b, ph, 5) * c), cyc_math[kind].push_back(at(b, ph, 6) * c),
+                cyc_epi[kind].push_back(at(b, ph, 7) * c);
         }
         if (kind == 1 && at(b, ph, 3) > 0) {
           ow.push_back(at(b, ph, 3) - at(b, ph, 1));
@@ -508,7 +510,8 @@ struct Engine::Impl {
                          w / waits[k].size(), ns / waited[k].size());
       }
       if (!cyc_math[k].empty())
-        s += fmt::format("\n             (rows, SM cycles per warp: slot waits {:.0f}, arithmetic {:.0f}, epilogues {:.0f})",
+        s += fmt::format("\n             (rows, SM cycles per warp: slot waits {:.0f}, arithmetic {:.0f}, "
+                         "epilogues {:.0f})",
                          median(cyc_wait[k]), median(cyc_math[k]), median(cyc_epi[k]));
       if (k == 1 && !own.empty())
         s += fmt::format("\n             (attention, after staging: pass over the positions done {:5.2f} us, cross-warp "
