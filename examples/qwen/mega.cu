@@ -517,15 +517,15 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
         wait_piece();
         prof.lap(prof.wait);
         // This piece's chunks: whole chunks of a 2048-weight piece, else up to three, the last of
-        // them possibly partial (a multiple of 256). Two loops: with the slot size a run-time
-        // value, the general one alone made the 0.6B step (2048-weight pieces) 2-4% slower (H200).
+        // them possibly partial (a multiple of 256). Two loops: the general one alone made the 0.6B
+        // step (2048-weight pieces) 2-4% slower (H200, with the slot size a run-time value).
         auto chunk = [&](int cc, int Kc) {
           const bf16* w[R];  // gate/up: the gate and up rows (the same x)
 #pragma unroll
           for (int h = 0; h < R; ++h) w[h] = piece_data(h, cc);
           mma_chunk<R>(w, xs + k0 + cc * kChunk, Kc, lane, c);
         };
-        if (piece_w == 2 * kChunk) {
+        if constexpr (PW == 2 * kChunk) {
           for (int cc = 0; cc < 2 && k0 + cc * kChunk < K; ++cc) chunk(cc, min(kChunk, K - k0 - cc * kChunk));
         } else {
           const int kend = min(piece_w, K - k0);
