@@ -5,8 +5,9 @@
 #   (default: the first five)
 # tests:    the whole GPU test (every decode-kernel variant, mega included), then the persistent
 #           kernel's cases with ring slots of 2560 and 3072 weights forced (QWEN_MEGA_PIECE);
-# sanitize: memcheck of the GPU test cases that run mega (also with 2560-weight slots), racecheck
-#           of the CLI with mega;
+# sanitize: memcheck of the GPU test cases that run mega (also with 2560-weight slots), then the
+#           racecheck stage;
+# racecheck: racecheck of the CLI with mega (tiny shape; every hazard counted and grouped);
 # bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace;
 # longctx:  mega and ring after a 2000-token prompt;
 # parity:   parity.py against Hugging Face with the persistent kernel (tensor-core rows) decoding;
@@ -16,6 +17,24 @@ out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
 bin=${BIN_DIR:-build-gpu-qwen/examples/qwen}
 stages=${*:-tests sanitize bench longctx parity}
+# racecheck (every hazard, grouped by scripts/racecheck-summary.py) of the CLI with mega on the tiny
+# shape: tensor-core rows, FMA rows, slots of 2560 weights, split attention (3 chunks of 64 positions)
+racecheck_one() {  # NAME ENV... -- ARGS...
+  local name=$1; shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --show-backtrace no \
+    --print-limit 1000000 "$bin/qwen" --preset tiny --batch 1 --mode both --kernels mega "$@" >"$out/mega_race_$name.log" 2>&1
+  echo "racecheck ($name) exit $?: $(grep -E 'RACECHECK SUMMARY' "$out/mega_race_$name.log")"
+  python3 scripts/racecheck-summary.py "$out/mega_race_$name.log" --top 8
+}
+racecheck_all() {
+  racecheck_one mma -- --random-prompt 12 --gen 6
+  racecheck_one fma -- --random-prompt 12 --gen 6 --mega-fma
+  racecheck_one piece2560 QWEN_MEGA_PIECE=2560 -- --random-prompt 12 --gen 6
+  racecheck_one split -- --random-prompt 130 --gen 6 --mega-attn-chunk 64
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in $stages; do
   case $stage in
@@ -35,14 +54,9 @@ for stage in $stages; do
         "$bin/qwen_gpu" -tc='the persistent kernel*' >"$out/mega_memcheck_2560.log" 2>&1
       echo "memcheck (slots of 2560 weights) exit $?"
       grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck_2560.log"
-      timeout 150 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
-        --random-prompt 12 --gen 6 --batch 1 --mode both --kernels mega >"$out/mega_racecheck.log" 2>&1
-      echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck.log"
-      # split attention (3 chunks of 64 positions: partial states and their merge)
-      timeout 200 compute-sanitizer --tool racecheck --racecheck-report analysis "$bin/qwen" --preset tiny \
-        --random-prompt 130 --gen 6 --batch 1 --mode both --kernels mega --mega-attn-chunk 64 \
-        >"$out/mega_racecheck_split.log" 2>&1
-      echo "racecheck (split attention) exit $?"; grep -E "RACECHECK SUMMARY" "$out/mega_racecheck_split.log" ;;
+      racecheck_all ;;
+    racecheck)
+      racecheck_all ;;
     bench)
       KERNELS="${KERNELS:-mega ring}" ROUNDS=${ROUNDS:-2} BIN_DIR="$bin" bash scripts/gpu-qwen-ab.sh
       for shape in qwen3-0.6b qwen3-4b; do

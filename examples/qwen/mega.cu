@@ -16,11 +16,9 @@
 // arrived on the slot's "empty" barrier. Only the consumer warps take part in the phases' barriers
 // (named barrier 1).
 //
-// compute-sanitizer racecheck reports WAR hazards between the consumer lanes' reads of a slot and
-// the bulk copy that refills it: it does not follow that handoff (mbarrier release/acquire, then a
-// proxy fence, then the copy, in another warp). The same protocol with the refill issued by the
-// reading warp itself after __syncwarp reported none; the logits are bit-identical to the ring
-// kernels' in the GPU test.
+// The producer lanes issue their bulk copies one lane at a time (issue_lanes): issued by several
+// lanes in one instruction they are just as correct, but compute-sanitizer racecheck attributes
+// them to one lane and reports the other rings' reads as hazards (probes/raceprobe.cu).
 #include "mega.cuh"
 #include "device_helpers.cuh"
 
@@ -181,34 +179,64 @@ __device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, cons
   ++c.j;
   cursor_seek(c, p, layers, g, GW, piece);
 }
-/// Lane 0: the cursor's piece into slot s, then advance (nothing once the stream has ended).
-__device__ __forceinline__ void cursor_issue(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g, int GW,
-                                             int piece,
-                                             bf16* ring,
-                                             unsigned long long* bars, int s, unsigned long long pol) {
-  if (c.j > 4 * p.num_layers) return;
+/// One ring slot's bulk copies: `bytes` from src to dst, and (a packed gate/up slot) `bytes2` from
+/// src2 to dst2; bytes == 0: none (the stream has ended).
+struct PieceCopy {
+  bf16* dst = nullptr;
+  const bf16* src = nullptr;
+  unsigned bytes = 0;
+  bf16* dst2 = nullptr;
+  const bf16* src2 = nullptr;
+  unsigned bytes2 = 0;
+};
+
+/// The cursor's piece for slot s of `ring` (nothing once the stream has ended), then advance.
+__device__ __forceinline__ PieceCopy cursor_piece(Cursor& c, const MegaParams& p, const MegaLayer* layers, int g,
+                                                  int GW, int piece, bf16* ring, int s) {
+  PieceCopy pc;
+  if (c.j > 4 * p.num_layers) return pc;
+  pc.dst = ring + std::size_t(s) * piece;
   if (c.m.K <= kChunk) {  // packed: rows c.row and c.row + 1, or gate row c.row and its up row
     const unsigned row_bytes = static_cast<unsigned>(c.m.K) * sizeof(bf16);
-    bf16* dst = ring + std::size_t(s) * piece;
-    const bf16* src = c.m.W + std::size_t(c.row) * c.m.K;
+    pc.src = c.m.W + std::size_t(c.row) * c.m.K;
     if (c.halves == 2) {
-      mbar_arrive_tx(bars + s, 2 * row_bytes);
-      bulk_load(dst, src, row_bytes, bars + s, pol);
-      bulk_load(dst + c.m.K, src + std::size_t(c.m.N) * c.m.K, row_bytes, bars + s, pol);
+      pc.bytes = pc.bytes2 = row_bytes;
+      pc.dst2 = pc.dst + c.m.K;
+      pc.src2 = pc.src + std::size_t(c.m.N) * c.m.K;
     } else {
-      const unsigned bytes = (c.row + 1 < c.end ? 2u : 1u) * row_bytes;
-      mbar_arrive_tx(bars + s, bytes);
-      bulk_load(dst, src, bytes, bars + s, pol);
+      pc.bytes = (c.row + 1 < c.end ? 2u : 1u) * row_bytes;
     }
-    cursor_next(c, p, layers, g, GW, piece);
-    return;
+  } else {
+    const int half = c.unit % c.halves, k0 = c.unit / c.halves * piece;
+    pc.bytes = static_cast<unsigned>(min(piece, c.m.K - k0)) * sizeof(bf16);
+    pc.src = c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0;
   }
-  const int half = c.unit % c.halves, k0 = c.unit / c.halves * piece;
-  const unsigned bytes = static_cast<unsigned>(min(piece, c.m.K - k0)) * sizeof(bf16);
-  mbar_arrive_tx(bars + s, bytes);
-  bulk_load(ring + std::size_t(s) * piece, c.m.W + (std::size_t(half) * c.m.N + c.row) * c.m.K + k0, bytes,
-            bars + s, pol);
   cursor_next(c, p, layers, g, GW, piece);
+  return pc;
+}
+
+/// Issues a slot's copies on its "full" barrier (the barrier expects their bytes).
+__device__ __forceinline__ void issue_piece(const PieceCopy& pc, unsigned long long* bar, unsigned long long pol) {
+  if (pc.bytes == 0) return;
+  mbar_arrive_tx(bar, pc.bytes + pc.bytes2);
+  bulk_load(pc.dst, pc.src, pc.bytes, bar, pol);
+  if (pc.bytes2 != 0) bulk_load(pc.dst2, pc.src2, pc.bytes2, bar, pol);
+}
+
+/// The producer lanes in `ready` issue their copies one lane at a time (refill: after a proxy fence,
+/// which orders the consumer's reads that the lane acquired before the copy). The copies of several
+/// lanes issued by one instruction are correct, but compute-sanitizer racecheck then attributes them
+/// to one lane and reports the other rings' reads as hazards (probes/raceprobe.cu: ring8_test against
+/// ring8_serial); one lane at a time costs a few instructions per copy.
+__device__ __forceinline__ void issue_lanes(bool ready, bool refill, const PieceCopy& pc, unsigned long long* bar,
+                                            unsigned long long pol, int lane) {
+  for (unsigned m = __ballot_sync(0xffffffffu, ready); m != 0; m &= m - 1) {
+    if (lane == __ffs(m) - 1) {
+      if (refill) fence_proxy_async();
+      issue_piece(pc, bar, pol);
+    }
+    __syncwarp();
+  }
 }
 
 /// A warp's consuming side of its ring.
@@ -893,23 +921,25 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
     base = reinterpret_cast<bf16*>(smem) + std::size_t(lane) * S * piece;
     c.j = 0;
     cursor_seek(c, p, layers, g, GW, piece);
-    for (int s = 0; s < S; ++s) cursor_issue(c, p, layers, g, GW, piece, base, full[lane], s, pol);
-    active = c.j <= end;
   }
+  for (int s = 0; s < S; ++s) {
+    const PieceCopy pc = active ? cursor_piece(c, p, layers, g, GW, piece, base, s) : PieceCopy{};
+    issue_lanes(active, false, pc, active ? full[lane] + s : nullptr, pol, lane);
+  }
+  active = active && c.j <= end;
   int s = 0;
   unsigned parity = 0;
   while (__any_sync(0xffffffffu, active)) {
-    bool issued = false;
-    if (active && mbar_test_wait(empty[lane] + s, parity)) {
-      // The consumer lanes' reads of the slot (generic proxy) are ordered before the bulk copy that
-      // overwrites it (async proxy): the barrier's release/acquire, then a proxy fence.
-      fence_proxy_async();
-      cursor_issue(c, p, layers, g, GW, piece, base, full[lane], s, pol);
+    // The consumer lanes' reads of the slot (generic proxy) are ordered before the bulk copy that
+    // overwrites it (async proxy): the barrier's release/acquire, then a proxy fence.
+    const bool ready = active && mbar_test_wait(empty[lane] + s, parity);
+    const PieceCopy pc = ready ? cursor_piece(c, p, layers, g, GW, piece, base, s) : PieceCopy{};
+    issue_lanes(ready, true, pc, ready ? full[lane] + s : nullptr, pol, lane);
+    if (ready) {
       if (++s == S) s = 0, parity ^= 1u;
       active = c.j <= end;
-      issued = true;
     }
-    if (!__any_sync(0xffffffffu, issued)) __nanosleep(32);
+    if (!__any_sync(0xffffffffu, ready)) __nanosleep(32);
   }
 }
 
