@@ -5,7 +5,7 @@
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 probe=${PROBE:-build-gpu-qwen/examples/qwen/qwen_race_probe}
-for c in sync racy mbar_raw mbar_war ring ring_self ring_test ring8_try ring8_test ring8_serial; do
+for c in sync racy mbar_raw mbar_war ring ring_self ring_test ring8_try ring8_test ring8_serial ring8_sync; do
   plain=$("$probe" "$c" 2>&1); rc=$?
   compute-sanitizer --tool racecheck --racecheck-report all "$probe" "$c" > "$out/race-probe-$c.log" 2>&1
   echo "$c: plain exit $rc ($plain); racecheck exit $?: $(grep -E 'RACECHECK SUMMARY' "$out/race-probe-$c.log" | tr -s ' ')"

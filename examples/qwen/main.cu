@@ -251,7 +251,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of random weights and prompts");
   app.add_flag("--no-pdl", no_pdl, "launch kernels without programmatic dependent launch (for comparison)");
   app.add_option("--kernels", kernels_s,
-                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default, ring): "
+                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default, mega): "
                  "rowpipe (one GEMV kernel per matrix, software-pipelined loads), rowpipe8 (8 loads in flight), ring (one GEMV kernel per matrix, one block per SM, "
                  "per-warp shared-memory rings filled before the previous kernel ends), legacy (one "
                  "GEMV kernel per matrix, one warp per row), legacy8 (8 loads in flight), step (streaming "

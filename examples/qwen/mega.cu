@@ -16,9 +16,11 @@
 // arrived on the slot's "empty" barrier. Only the consumer warps take part in the phases' barriers
 // (named barrier 1).
 //
-// The producer lanes issue their bulk copies one lane at a time (issue_lanes): issued by several
-// lanes in one instruction they are just as correct, but compute-sanitizer racecheck attributes
-// them to one lane and reports the other rings' reads as hazards (probes/raceprobe.cu).
+// compute-sanitizer racecheck attributes a bulk copy that several producer lanes issue in one
+// instruction to the lowest of them, and reports the reads of the other lanes' rings as hazards
+// (probes/raceprobe.cu shows it on an 8-ring block that is correct by construction). With
+// MegaParams::serial_issue (QWEN_MEGA_SERIAL_ISSUE=1) the lanes issue one at a time: the same
+// protocol, which racecheck follows (0 hazards), at a cost in speed.
 #include "mega.cuh"
 #include "device_helpers.cuh"
 
@@ -223,18 +225,18 @@ __device__ __forceinline__ void issue_piece(const PieceCopy& pc, unsigned long l
   if (pc.bytes2 != 0) bulk_load(pc.dst2, pc.src2, pc.bytes2, bar, pol);
 }
 
-/// The producer lanes in `ready` issue their copies one lane at a time (refill: after a proxy fence,
-/// which orders the consumer's reads that the lane acquired before the copy). The copies of several
-/// lanes issued by one instruction are correct, but compute-sanitizer racecheck then attributes them
-/// to one lane and reports the other rings' reads as hazards (probes/raceprobe.cu: ring8_test against
-/// ring8_serial); one lane at a time costs a few instructions per copy.
+/// The producer lanes in `ready` issue their copies (refill: after a proxy fence, which orders the
+/// consumer's reads that the lane acquired before the copy): together, or with `serial` one lane at
+/// a time (MegaParams::serial_issue: what compute-sanitizer racecheck can follow).
 __device__ __forceinline__ void issue_lanes(bool ready, bool refill, const PieceCopy& pc, unsigned long long* bar,
-                                            unsigned long long pol, int lane) {
+                                            unsigned long long pol, bool serial, int lane) {
+  if (refill && ready) fence_proxy_async();
+  if (!serial) {
+    if (ready) issue_piece(pc, bar, pol);
+    return;
+  }
   for (unsigned m = __ballot_sync(0xffffffffu, ready); m != 0; m &= m - 1) {
-    if (lane == __ffs(m) - 1) {
-      if (refill) fence_proxy_async();
-      issue_piece(pc, bar, pol);
-    }
+    if (lane == __ffs(m) - 1) issue_piece(pc, bar, pol);
     __syncwarp();
   }
 }
@@ -914,6 +916,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   const int GW = gridDim.x * kMW, g = blockIdx.x * kMW + lane, end = 4 * p.num_layers;
   const int piece = PW != 0 ? PW : p.piece;
   const unsigned long long pol = evict_first_policy();
+  const bool serial = p.serial_issue != 0;
   bool active = lane < kMW;
   Cursor c{};
   bf16* base = nullptr;
@@ -924,7 +927,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   }
   for (int s = 0; s < S; ++s) {
     const PieceCopy pc = active ? cursor_piece(c, p, layers, g, GW, piece, base, s) : PieceCopy{};
-    issue_lanes(active, false, pc, active ? full[lane] + s : nullptr, pol, lane);
+    issue_lanes(active, false, pc, active ? full[lane] + s : nullptr, pol, serial, lane);
   }
   active = active && c.j <= end;
   int s = 0;
@@ -934,7 +937,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
     // overwrites it (async proxy): the barrier's release/acquire, then a proxy fence.
     const bool ready = active && mbar_test_wait(empty[lane] + s, parity);
     const PieceCopy pc = ready ? cursor_piece(c, p, layers, g, GW, piece, base, s) : PieceCopy{};
-    issue_lanes(ready, true, pc, ready ? full[lane] + s : nullptr, pol, lane);
+    issue_lanes(ready, true, pc, ready ? full[lane] + s : nullptr, pol, serial, lane);
     if (ready) {
       if (++s == S) s = 0, parity ^= 1u;
       active = c.j <= end;

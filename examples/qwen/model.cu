@@ -108,6 +108,7 @@ struct Engine::Impl {
   MegaParams mega;
   MegaGeometry mega_geo;
   bool mega_on = false;
+  std::string mega_off_reason;  // why the persistent kernel does not serve bucket 1 (kernels mega)
 
   std::vector<int> buckets;
   /// The bucketed graph pool with eager fallback: one graph per bucket, captured on first use.
@@ -433,7 +434,15 @@ struct Engine::Impl {
     p.piece = 0;
     if (const char* e = std::getenv("QWEN_MEGA_PIECE"); e != nullptr && std::atoi(e) > 0 && p.mma != 0)
       p.piece = std::atoi(e);
-    mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
+    // QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue one at a time (for racecheck; slower).
+    if (const char* e = std::getenv("QWEN_MEGA_SERIAL_ISSUE"); e != nullptr && std::atoi(e) > 0) p.serial_issue = 1;
+    try {
+      mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
+    } catch (const replay::usage_error& e) {  // e.g. too little shared memory: the ring kernels serve bucket 1
+      mega_off_reason = e.what();
+      mega_layers.reset(), mega_words.reset(), mega_best.reset(), mega_sync.reset(), mega_trace.reset();
+      return;
+    }
     p.slots = mega_geo.slots;
     p.piece = mega_geo.piece;
     mega_on = true;
@@ -534,7 +543,9 @@ struct Engine::Impl {
                                        "attention in up to {} chunks of at least {} positions, rows on {}; other buckets: ring)",
                                        mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0,
                                        mega.attn_splits, mega.attn_min_chunk, mega.mma != 0 ? "tensor cores" : "FMAs")
-                     : s + " (shape not supported by the persistent kernel: ring kernels)";
+                     : s + fmt::format(" ({}: ring kernels)", mega_off_reason.empty()
+                                                                  ? std::string("shape not supported by the persistent kernel")
+                                                                  : mega_off_reason);
     if (!streaming())
       return s + (opt.kernels == decode_kernels::legacy_u8 || opt.kernels == decode_kernels::rowpipe_u8
                       ? " (8 loads in flight)"

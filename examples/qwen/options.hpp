@@ -61,7 +61,7 @@ struct EngineOptions {
   int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
-  decode_kernels kernels = decode_kernels::ring;     ///< decode kernels of buckets 1..4
+  decode_kernels kernels = decode_kernels::mega;     ///< decode kernels of buckets 1..4 (mega: bucket 1 only; ring for 2..4)
   int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
   int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
   bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)

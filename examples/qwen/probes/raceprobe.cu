@@ -17,6 +17,7 @@
 //              serving warp w's ring (lanes diverge; try_wait)
 //   ring8_test the same with test_wait, as the persistent kernel's producer does
 //   ring8_serial ring8_test with the ready lanes issuing their fence and copy one lane at a time
+//   ring8_sync ring8_test with a __syncwarp between the lanes' waits and their (joint) copies
 //   qwen_race_probe <case>    (prints "<case>: ok" or what went wrong; exit 0 on ok)
 #include "../device_helpers.cuh"
 
@@ -43,10 +44,11 @@ constexpr int kRounds = 64;    // pieces streamed through the ring
 
 enum Case {
   k_sync, k_racy, k_mbar_raw, k_mbar_war, k_ring, k_ring_self, k_ring_test, k_ring8_try, k_ring8_test, k_ring8_serial,
-  k_cases
+  k_ring8_sync, k_cases
 };
 const char* const kNames[k_cases] = {"sync",      "racy",      "mbar_raw",  "mbar_war",   "ring",
-                                     "ring_self", "ring_test", "ring8_try", "ring8_test", "ring8_serial"};
+                                     "ring_self", "ring_test", "ring8_try", "ring8_test", "ring8_serial",
+                                     "ring8_sync"};
 constexpr int kRingWarps = 8;  // consumer warps of the ring8 cases
 
 __device__ void spin_wait(unsigned long long* b, unsigned parity) {
@@ -155,7 +157,9 @@ __global__ void probe(int c, const unsigned* src, unsigned long long* out) {
 /// through their own ring in dynamic shared memory; lane w of the producer warp (warp 8) keeps ring w
 /// full, polling its "empty" barriers round-robin as the persistent kernel's producer does.
 /// out[w] = consumer warp w's checksum.
-template <int Wait>  // 0: try_wait, 1: test_wait, 2: test_wait, then the ready lanes issue one at a time
+// Wait 0: try_wait; 1: test_wait; 2: test_wait, then the ready lanes issue one at a time; 3: test_wait,
+// __syncwarp, then the ready lanes issue together.
+template <int Wait>
 __global__ void ring8(const unsigned* src, unsigned long long* out) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long full[kRingWarps][kSlots], empty[kRingWarps][kSlots];
@@ -186,6 +190,7 @@ __global__ void ring8(const unsigned* src, unsigned long long* out) {
         bulk_load(slot(lane, s), piece(lane, r), kWords * 4, &full[lane][s]);
         active = ++r < kRounds;
       };
+      if constexpr (Wait == 3) __syncwarp();
       if constexpr (Wait == 2) {
         for (unsigned m = __ballot_sync(0xffffffffu, ready); m != 0; m &= m - 1) {
           if (lane == __ffs(m) - 1) issue();
@@ -216,10 +221,10 @@ int main(int argc, char** argv) {
   for (int i = 0; i < k_cases; ++i)
     if (argc == 2 && std::strcmp(argv[1], kNames[i]) == 0) c = i;
   if (c < 0) {
-    std::printf("usage: qwen_race_probe sync|racy|mbar_raw|mbar_war|ring|ring_self|ring_test|ring8_try|ring8_test|ring8_serial\n");
+    std::printf("usage: qwen_race_probe sync|racy|mbar_raw|mbar_war|ring|ring_self|ring_test|ring8_try|ring8_test|ring8_serial|ring8_sync\n");
     return 2;
   }
-  const bool eight = c == k_ring8_try || c == k_ring8_test || c == k_ring8_serial;
+  const bool eight = c == k_ring8_try || c == k_ring8_test || c == k_ring8_serial || c == k_ring8_sync;
   const bool streams = c == k_ring || c == k_ring_self || c == k_ring_test || eight;
   const int outs = eight ? kRingWarps : 1;
   const int words = eight ? kRingWarps * kRounds * kWords : streams ? kRounds * kWords : kWords;
@@ -236,7 +241,7 @@ int main(int argc, char** argv) {
   CK(cudaMemset(out, 0xff, sizeof(unsigned long long) * outs));  // poison
   if (eight) {
     const int smem = kRingWarps * kSlots * kWords * 4;
-    auto k = c == k_ring8_try ? ring8<0> : c == k_ring8_test ? ring8<1> : ring8<2>;
+    auto k = c == k_ring8_try ? ring8<0> : c == k_ring8_test ? ring8<1> : c == k_ring8_serial ? ring8<2> : ring8<3>;
     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     k<<<1, (kRingWarps + 1) * 32, smem>>>(src, out);
   } else {
