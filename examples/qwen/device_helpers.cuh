@@ -128,6 +128,30 @@ __device__ __forceinline__ void norm_rope_head(const float* x, const bf16* w, fl
   nr.apply(eps, lo, hi);
 }
 
+/// Merges the softmax states (max m, sum l, unnormalised outputs acc) of a warp's lane groups of LPT
+/// lanes each (one position per group): after it every lane holds the state of the whole warp.
+template <int G, int DPL, int LPT>
+__device__ __forceinline__ void combine_lane_groups(float (&m)[G], float (&l)[G], float (&acc)[G][DPL]) {
+#pragma unroll
+  for (int o = LPT; o < 32; o <<= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
+      const float mn = fmaxf(m[h], mo);
+      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
+      const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
+      l[h] = l[h] * a + lo * b;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) {
+        const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
+        acc[h][j] = acc[h][j] * a + ao * b;
+      }
+      m[h] = mn;
+    }
+  }
+}
+
 /// Decode attention's per-lane state for G query heads (8 lanes per token, DPL dims per lane): running
 /// max m, sum l and unnormalised output acc of an online softmax. `add` takes one token's K/V (this
 /// lane's DPL dims as NV uint4 of bf16; `valid` false: a lane group past the context, which still
@@ -175,27 +199,46 @@ struct SoftmaxState {
       }
     }
   }
-  __device__ __forceinline__ void combine_groups() {
-#pragma unroll
-    for (int o = 8; o <= 16; o <<= 1) {
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-        const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
-        const float mn = fmaxf(m[h], mo);
-        const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
-        const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
-        l[h] = l[h] * a + lo * b;
-#pragma unroll
-        for (int j = 0; j < DPL; ++j) {
-          const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
-          acc[h][j] = acc[h][j] * a + ao * b;
-        }
-        m[h] = mn;
-      }
-    }
-  }
+  /// Combines the warp's 4 lane groups (8 lanes per position): every lane then holds the warp's state.
+  __device__ __forceinline__ void combine_groups() { combine_lane_groups<G, DPL, 8>(m, l, acc); }
 };
+
+/// Stores a warp's softmax state (lane group 0 holds it after the lane groups are combined; lane
+/// `sub` of the group its DPL outputs) as warp `warp`'s entry of the block's cross-warp arrays
+/// m[warps][G], l[warps][G], acc[warps][G][D].
+template <int G, int DPL>
+__device__ __forceinline__ void store_warp_state(const float (&m)[G], const float (&l)[G], const float (&acc)[G][DPL],
+                                                 int warp, int grp, int sub, float* red_m, float* red_l,
+                                                 float* red_acc, int D) {
+  if (grp != 0) return;
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (sub == 0) red_m[warp * G + h] = m[h], red_l[warp * G + h] = l[h];
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = acc[h][j];
+  }
+}
+
+/// Query head h's output d merged over the NW warps' states (store_warp_state's arrays), in warp
+/// order: the max, the sum and the unnormalised output (output = a / l).
+struct MergedState {
+  float m, l, a;
+};
+template <int NW>
+__device__ __forceinline__ MergedState merge_warp_states(const float* red_m, const float* red_l, const float* red_acc,
+                                                         int G, int D, int h, int d) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, red_m[w * G + h]);
+  float L = 0.f, A = 0.f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    const float f = red_m[w * G + h] == -INFINITY ? 0.f : __expf(red_m[w * G + h] - mx);
+    L += red_l[w * G + h] * f;
+    A += red_acc[(w * G + h) * D + d] * f;
+  }
+  return {mx, L, A};
+}
 
 constexpr unsigned long long kStuckNs = 10'000'000'000ull;  // a wait this long is a bug: trap
 

@@ -796,14 +796,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   const unsigned long long t_loop = trace != nullptr ? global_ns() : 0;
   // Combine the 4 lane groups of the warp.
   sm.combine_groups();
-  if (grp == 0) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      if (sub == 0) red_m[warp][h] = sm.m[h], red_l[warp][h] = sm.l[h];
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) red_acc[warp][h][sub * DPL + j] = sm.acc[h][j];
-    }
-  }
+  store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, &red_m[0][0], &red_l[0][0], &red_acc[0][0][0], D);
   __syncthreads();
   const unsigned long long t_comb = trace != nullptr ? global_ns() : 0;
   // Split-KV: this chunk's state (max, sum, unnormalised output per query head) goes to
@@ -812,16 +805,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   float* part = chunks > 1 ? sp.partial + (std::size_t(r) * kv.kv_heads + kvh) * sp.splits * P : nullptr;
   for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
     const int h = idx / D, d = idx % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, red_m[w][h]);
-    float L = 0.f, A = 0.f;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
-      const float f = red_m[w][h] == -INFINITY ? 0.f : __expf(red_m[w][h] - mx);
-      L += red_l[w][h] * f;
-      A += red_acc[w][h][d] * f;
-    }
+    const auto [mx, L, A] = merge_warp_states<kAttnWarps>(&red_m[0][0], &red_l[0][0], &red_acc[0][0][0], G, D, h, d);
     if (part == nullptr) {
       out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
     } else {

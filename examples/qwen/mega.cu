@@ -819,29 +819,13 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   }
   st.mark(phase_att(l), 4);
   sm.combine_groups();
-  if (worker && grp == 0) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      if (sub == 0) red_m[warp * G + h] = sm.m[h], red_l[warp * G + h] = sm.l[h];
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = sm.acc[h][j];
-    }
-  }
+  if (worker) store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, red_m, red_l, red_acc, D);
   consumer_sync();
   st.mark(phase_att(l), 5);
   const unsigned out_tag = st.tag(phase_att(l));
   for (int idx = tid; idx < G * D; idx += kCThreads) {
     const int h = idx / D, d = idx % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kAW; ++i) mx = fmaxf(mx, red_m[i * G + h]);
-    float Ls = 0.f, A = 0.f;
-#pragma unroll
-    for (int i = 0; i < kAW; ++i) {
-      const float f = red_m[i * G + h] == -INFINITY ? 0.f : __expf(red_m[i * G + h] - mx);
-      Ls += red_l[i * G + h] * f;
-      A += red_acc[(i * G + h) * D + d] * f;
-    }
+    const auto [mx, Ls, A] = merge_warp_states<kAW>(red_m, red_l, red_acc, G, D, h, d);
     const int hq = kvh * group_size + h0 + h;
     if (ch.chunks == 1) {
       st_word(p.attn + hq * D + d, __bfloat162float(__float2bfloat16(A / Ls)), out_tag);

@@ -360,45 +360,12 @@ __device__ void attention_item(const StreamLaunch& L, const StreamPhase& gph, co
     }
   }
   // Combine the lane groups of the warp, then the warps.
-#pragma unroll
-  for (int o = LPT; o < 32; o <<= 1) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-      const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
-      const float mn = fmaxf(m[h], mo);
-      const float a = m[h] == -INFINITY ? 0.f : __expf(m[h] - mn);
-      const float b = mo == -INFINITY ? 0.f : __expf(mo - mn);
-      l[h] = l[h] * a + lo * b;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) {
-        const float ao = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
-        acc[h][j] = acc[h][j] * a + ao * b;
-      }
-      m[h] = mn;
-    }
-  }
-  if (grp == 0) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      if (sub == 0) red_m[warp * G + h] = m[h], red_l[warp * G + h] = l[h];
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) red_acc[(warp * G + h) * D + sub * DPL + j] = acc[h][j];
-    }
-  }
+  combine_lane_groups<G, DPL, LPT>(m, l, acc);
+  store_warp_state<G, DPL>(m, l, acc, warp, grp, sub, red_m, red_l, red_acc, D);
   compute_sync();
   for (int idx = tid; idx < G * D; idx += kSW * 32) {
     const int h = idx / D, d = idx % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kSW; ++w) mx = fmaxf(mx, red_m[w * G + h]);
-    float Ls = 0.f, A = 0.f;
-#pragma unroll
-    for (int w = 0; w < kSW; ++w) {
-      const float f = red_m[w * G + h] == -INFINITY ? 0.f : __expf(red_m[w * G + h] - mx);
-      Ls += red_l[w * G + h] * f;
-      A += red_acc[(w * G + h) * D + d] * f;
-    }
+    const auto [mx, Ls, A] = merge_warp_states<kSW>(red_m, red_l, red_acc, G, D, h, d);
     ph.out[std::size_t(r) * ph.q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / Ls);
   }
   fence_proxy_async();  // the slot's bytes were written generically; a bulk copy refills it next
