@@ -333,6 +333,62 @@ TEST_CASE("the persistent kernel's split attention: bit-identical to the per-mat
   }
 }
 
+TEST_CASE("the default kernels: the persistent kernel for bucket 1 where it can run, else the ring kernels") {
+  CHECK(EngineOptions{}.kernels == decode_kernels::mega);
+  int dev = 0, sms = 0;
+  REQUIRE(cudaGetDevice(&dev) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
+  struct Case {
+    Config cfg;
+    int splits;       // EngineOptions::mega_attn_splits
+    const char* why;  // the fallback's reason, or nullptr: the persistent kernel runs bucket 1
+  };
+  const Case cases[] = {
+      {preset("tiny"), 0, nullptr},
+      // head_dim 64 with 4 query heads per kv head: no persistent-kernel variant
+      {tiny_shape("tiny_hd64_g4", 1024, 256, 512, 2, 8, 2, 64), 0, "not supported"},
+      // 8 kv heads in 32 chunks each: more attention items than blocks (where the GPU has fewer SMs)
+      {tiny_shape("tiny_kv8", 1024, 256, 512, 2, 8, 8, 64), 32, 8 * 32 > sms ? "attention splits" : nullptr},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.cfg.name);
+    EngineOptions o = small_opts(parse_variant("ring"));
+    o.kernels = EngineOptions{}.kernels;
+    o.mega_attn_splits = c.splits;
+    Engine def(c.cfg, o, nullptr);
+    Engine ring(c.cfg, small_opts(parse_variant("ring")), nullptr);
+    const std::string d = def.describe_kernels();
+    MESSAGE(d);
+    if (c.why == nullptr) {
+      CHECK(d.find("one launch") != std::string::npos);
+    } else {
+      CHECK(d.find("ring kernels") != std::string::npos);
+      CHECK(d.find(c.why) != std::string::npos);
+    }
+    const int V = c.cfg.vocab_size;
+    // Two sequences (bucket 2: ring kernels either way), then one (bucket 1: ring when it falls back).
+    for (int n : {2, 1}) {
+      CAPTURE(n);
+      std::vector<std::vector<int>> prompts;
+      for (int i = 0; i < n; ++i) prompts.push_back(prompt_of(9 + 5 * i, 40 + i, V));
+      for (bool graph : {false, true}) {
+        CAPTURE(graph);
+        std::vector<float> ld, lr;
+        const auto td = generate(def, prompts, 12, graph, &ld);
+        if (n == 1 && c.why == nullptr) {  // tensor-core rows: eager and graph agree with each other
+          std::vector<float> le;
+          CHECK(generate(def, prompts, 12, !graph, &le) == td);
+          CHECK(le == ld);
+          continue;
+        }
+        const auto tr = generate(ring, prompts, 12, graph, &lr);
+        CHECK(td == tr);
+        CHECK(ld == lr);
+      }
+    }
+  }
+}
+
 TEST_CASE("padding rows and other sequences do not disturb a sequence (paged KV isolation)") {
  for (const auto& kern : test_variants()) {
   CAPTURE(kern.name);
