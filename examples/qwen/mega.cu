@@ -17,7 +17,7 @@
 // (named barrier 1).
 //
 // compute-sanitizer racecheck attributes a bulk copy that several producer lanes issue in one
-// instruction to the lowest of them, and reports the reads of the other lanes' rings as hazards
+// instruction to one of them, and reports the reads of the other lanes' rings as hazards
 // (probes/raceprobe.cu shows it on an 8-ring block that is correct by construction). With
 // MegaParams::serial_issue (QWEN_MEGA_SERIAL_ISSUE=1) the lanes issue one at a time: the same
 // protocol, which racecheck follows (0 hazards), at a cost in speed.

@@ -98,8 +98,8 @@ struct MegaParams {
   int mma = 1;
   /// The producer lanes issue their bulk copies one lane at a time (QWEN_MEGA_SERIAL_ISSUE=1) instead
   /// of together: the same protocol, slower (0.6B +8%, 4B +27% on an H200), for compute-sanitizer
-  /// racecheck, which attributes a copy that several lanes issue in one instruction to the lowest
-  /// of them and reports the other lanes' rings' reads as hazards (probes/raceprobe.cu).
+  /// racecheck, which attributes a copy that several lanes issue in one instruction to one of
+  /// them and reports the other lanes' rings' reads as hazards (probes/raceprobe.cu).
   int serial_issue = 0;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
