@@ -3,6 +3,9 @@
 # memory: the examples' decoders and the pool/runner tests. From the repo root on the GPU machine:
 #   source .deps/tools/env.sh && bash scripts/gpu-racecheck.sh
 set -uo pipefail
+# The persistent kernel (the default for bucket 1) with its producer lanes issuing one at a time: the
+# same protocol, which racecheck follows (examples/qwen/README.md, "compute-sanitizer racecheck").
+export QWEN_MEGA_SERIAL_ISSUE=1
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu-race}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/race-configure.log" 2>&1 || exit 1
