@@ -100,6 +100,12 @@ std::vector<int> prompt_of(int len, int salt, int vocab) {
   for (int i = 0; i < len; ++i) p[i] = (i * 131 + salt * 977 + 7) % vocab;
   return p;
 }
+/// n prompts: prompt i has len0 + dlen * i tokens and salt salt0 + i.
+std::vector<std::vector<int>> prompts_of(int n, int len0, int dlen, int salt0, int vocab) {
+  std::vector<std::vector<int>> v;
+  for (int i = 0; i < n; ++i) v.push_back(prompt_of(len0 + dlen * i, salt0 + i, vocab));
+  return v;
+}
 
 }  // namespace
 
@@ -111,8 +117,7 @@ TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV a
   const int V = e.config().vocab_size;
   for (int batch : {1, 3, 6}) {  // bucket 1 (GEMV), 4 (GEMV, one padded row), 8 (cuBLAS, two padded rows)
     CAPTURE(batch);
-    std::vector<std::vector<int>> prompts;
-    for (int i = 0; i < batch; ++i) prompts.push_back(prompt_of(5 + 3 * i, i, V));
+    const auto prompts = prompts_of(batch, 5, 3, 0, V);
     std::vector<float> le, lg;
     const auto eager = generate(e, prompts, 20, false, &le);
     const auto graph = generate(e, prompts, 20, true, &lg);
@@ -141,8 +146,7 @@ void cross_check(const Config& cfg) {
   Engine ref(cfg, small_opts(parse_variant("legacy")), nullptr);
   const int V = ref.config().vocab_size;
   for (int batch : {1, 3}) {
-    std::vector<std::vector<int>> prompts;
-    for (int i = 0; i < batch; ++i) prompts.push_back(prompt_of(6 + 5 * i, 10 + i, V));
+    const auto prompts = prompts_of(batch, 6, 5, 10, V);
     std::vector<float> lr;
     const auto tr = generate(ref, prompts, 12, true, &lr);
     for (const auto& kern : test_variants()) {
@@ -208,8 +212,7 @@ TEST_CASE("the ring GEMV gives logits bit-identical to the pipelined GEMV (same 
     const int V = ref.config().vocab_size;
     for (int batch : {1, 2, 3}) {  // buckets 1, 2 and 4 (one padded row)
       CAPTURE(batch);
-      std::vector<std::vector<int>> prompts;
-      for (int i = 0; i < batch; ++i) prompts.push_back(prompt_of(7 + 4 * i, 20 + i, V));
+      const auto prompts = prompts_of(batch, 7, 4, 20, V);
       for (bool graph : {false, true}) {
         CAPTURE(graph);
         std::vector<float> lr, lv;
@@ -369,8 +372,7 @@ TEST_CASE("the default kernels: the persistent kernel for bucket 1 where it can 
     // Two sequences (bucket 2: ring kernels either way), then one (bucket 1: ring when it falls back).
     for (int n : {2, 1}) {
       CAPTURE(n);
-      std::vector<std::vector<int>> prompts;
-      for (int i = 0; i < n; ++i) prompts.push_back(prompt_of(9 + 5 * i, 40 + i, V));
+      const auto prompts = prompts_of(n, 9, 5, 40, V);
       for (bool graph : {false, true}) {
         CAPTURE(graph);
         std::vector<float> ld, lr;
