@@ -182,6 +182,31 @@ void cross_check(const Config& cfg) {
 TEST_CASE("the streaming kernels compute what the per-matrix kernels compute") { cross_check(preset("tiny")); }
 
 /// The tiny preset with other sizes (vocab, hidden, intermediate, layers, heads, kv heads, head_dim).
+/// Teacher forcing: decodes `steps` tokens of `prompt` with `ref` (graph), then feeds the same tokens
+/// to `e` one step at a time; the worst relative L2 distance between the two engines' logits.
+double teacher_forced_worst(Engine& e, Engine& ref, const std::vector<int>& prompt, int steps) {
+  const int V = ref.config().vocab_size, len = static_cast<int>(prompt.size());
+  std::vector<float> lref;
+  const std::vector<int> toks = generate(ref, {prompt}, steps, true, &lref)[0];
+  auto& book = e.kv();
+  const int s = book.acquire_slot();
+  book.ensure(s, len + steps);
+  std::vector<float> got(V);
+  (void)e.prefill(s, prompt, 0);
+  double worst = 0;
+  for (int i = 0; i < steps; ++i) {
+    DecodeRow row{s, toks[i], len + i};
+    int next = 0;
+    e.decode(std::span<const DecodeRow>(&row, 1), true, std::span<int>(&next, 1), got);
+    const float* want = lref.data() + std::ptrdiff_t(i) * V;
+    double num = 0, den = 0;
+    for (int k = 0; k < V; ++k) num += (double(got[k]) - want[k]) * (double(got[k]) - want[k]), den += double(want[k]) * want[k];
+    worst = std::max(worst, std::sqrt(num / den));
+  }
+  book.release(s);
+  return worst;
+}
+
 Config tiny_shape(const char* name, int vocab, int hidden, int inter, int layers, int heads, int kv_heads,
                   int head_dim) {
   Config c = preset("tiny");
@@ -257,24 +282,7 @@ TEST_CASE("the persistent kernel gives logits bit-identical to the ring kernels 
         CHECK(differ == 0);
       }
       // Tensor-core rows, teacher-forced with the ring kernels' tokens: every step within 1e-2.
-      auto& book = tc.kv();
-      const int s = book.acquire_slot();
-      std::vector<float> lref;
-      const std::vector<int> toks = generate(ref, prompts, 24, true, &lref)[0];
-      book.ensure(s, len + 24);
-      std::vector<float> want(V), got(V);
-      (void)tc.prefill(s, prompts[0], 0);
-      double worst = 0;
-      for (int i = 0; i < 24; ++i) {
-        DecodeRow row{s, toks[i], len + i};
-        int next = 0;
-        tc.decode(std::span<const DecodeRow>(&row, 1), true, std::span<int>(&next, 1), got);
-        std::copy(lref.begin() + std::ptrdiff_t(i) * V, lref.begin() + std::ptrdiff_t(i + 1) * V, want.begin());
-        double num = 0, den = 0;
-        for (int k = 0; k < V; ++k) num += (double(got[k]) - want[k]) * (double(got[k]) - want[k]), den += double(want[k]) * want[k];
-        worst = std::max(worst, std::sqrt(num / den));
-      }
-      book.release(s);
+      const double worst = teacher_forced_worst(tc, ref, prompts[0], 24);
       MESSAGE("tensor-core rows vs ring, teacher-forced: worst relative L2 " << worst);
       CHECK(worst < 1e-2);
     }
