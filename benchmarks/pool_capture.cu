@@ -10,6 +10,8 @@
 //                                 memory probe on): what the pool's statistics report per key
 //
 // Report medians: --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
+#include "common.hpp"
+
 #include <benchmark/benchmark.h>
 #include <replay/replay.hpp>
 
@@ -27,13 +29,6 @@ constexpr int iterations = 24;  // graphs kept alive per run (memory average)
 __global__ void layer_op(const int* meta, float* x, int layer) {
   const int r = blockIdx.x, d = threadIdx.x;
   x[r * width + d] = x[r * width + d] * 0.5f + static_cast<float>(meta[r] + layer);
-}
-
-bool have_device() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  (void)cudaGetLastError();
-  return ok;
 }
 
 struct world {
@@ -61,7 +56,7 @@ std::int64_t free_bytes() {
 }
 
 void BM_capture_instantiate(benchmark::State& state) {
-  if (!have_device()) return state.SkipWithError("no CUDA device");
+  if (replay_bench::skip_without_device(state)) return;
   using clock = std::chrono::steady_clock;
   world& w = world::get();
   const auto rows = static_cast<std::size_t>(state.range(0));
@@ -92,7 +87,7 @@ void BM_capture_instantiate(benchmark::State& state) {
 }
 
 void BM_pool_capture(benchmark::State& state) {
-  if (!have_device()) return state.SkipWithError("no CUDA device");
+  if (replay_bench::skip_without_device(state)) return;
   using clock = std::chrono::steady_clock;
   world& w = world::get();
   const auto rows = static_cast<std::uint32_t>(state.range(0));
@@ -129,14 +124,4 @@ BENCHMARK(BM_capture_instantiate)
 BENCHMARK(BM_pool_capture)
     ->RangeMultiplier(2)->Range(1, 512)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMillisecond);
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  if (have_device()) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) benchmark::AddCustomContext("device", prop.name);
-  }
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return replay_bench::main(argc, argv); }

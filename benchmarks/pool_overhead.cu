@@ -16,6 +16,8 @@
 //
 // Report medians over repetitions: --benchmark_repetitions=10 --benchmark_report_aggregates_only=true
 // (about 25 s on an H200 with those flags).
+#include "common.hpp"
+
 #include <benchmark/benchmark.h>
 #include <replay/replay.hpp>
 
@@ -36,13 +38,6 @@ constexpr std::size_t max_rows = 64;
 __global__ void tiny_step(const int* meta, int* out) {
   const int r = blockIdx.x;
   if (threadIdx.x == 0) out[r] = meta[r] + 1;
-}
-
-bool have_device() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  (void)cudaGetLastError();
-  return ok;
 }
 
 /// Device state shared by all benchmarks of the process (created on first use, after the device
@@ -99,7 +94,7 @@ std::vector<replay::graph_exec> raw_execs(world& w, int keys) {
 }
 
 void BM_raw_launch(benchmark::State& state, bool push) {
-  if (!have_device()) return state.SkipWithError("no CUDA device");
+  if (replay_bench::skip_without_device(state)) return;
   world& w = world::get();
   const int keys = static_cast<int>(state.range(0));
   const auto execs = raw_execs(w, keys);
@@ -111,7 +106,7 @@ void BM_raw_launch(benchmark::State& state, bool push) {
 }
 
 void BM_pool_run(benchmark::State& state, bool push) {
-  if (!have_device()) return state.SkipWithError("no CUDA device");
+  if (replay_bench::skip_without_device(state)) return;
   world& w = world::get();
   const int keys = static_cast<int>(state.range(0));
   replay::graph_pool<replay::graph_key> pool({.warmup = 0, .measure_memory = false});
@@ -127,7 +122,7 @@ void BM_pool_run(benchmark::State& state, bool push) {
 }
 
 void BM_runner_run(benchmark::State& state, bool push) {
-  if (!have_device()) return state.SkipWithError("no CUDA device");
+  if (replay_bench::skip_without_device(state)) return;
   world& w = world::get();
   const int keys = static_cast<int>(state.range(0));
   replay::step_runner<replay::graph_key> runner(
@@ -151,14 +146,4 @@ BENCHMARK_CAPTURE(BM_raw_launch, push, true)->Arg(1)->Arg(16)->Iterations(batche
 BENCHMARK_CAPTURE(BM_pool_run, push, true)->Arg(1)->Arg(16)->Iterations(batches)->UseManualTime()->Unit(benchmark::kNanosecond);
 BENCHMARK_CAPTURE(BM_runner_run, push, true)->Arg(1)->Arg(16)->Iterations(batches)->UseManualTime()->Unit(benchmark::kNanosecond);
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  if (have_device()) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) benchmark::AddCustomContext("device", prop.name);
-  }
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return replay_bench::main(argc, argv); }
