@@ -49,25 +49,37 @@ using replay_bench::host_clock;
 /// Writes a token (one thread): the null step's only kernel.
 __global__ void null_step_kernel(const std::int32_t* meta, std::int32_t* token) { *token = *meta + 1; }
 
-/// Median wall time (seconds) of the null step: step_meta push, one kernel, a 4-byte copy back to
-/// pinned memory, synchronise. Measured once per process.
+/// The null decode step: step_meta push, one kernel, a 4-byte copy back to pinned memory,
+/// synchronise; it checks the token it reads back.
+struct null_stepper {
+  replay::stream s;
+  replay::step_meta<std::int32_t> meta;
+  replay::device_buffer<std::int32_t> token{1};
+  replay::pinned_buffer<std::int32_t> host{1};
+  std::int32_t i = 0;
+
+  void step() {
+    meta.staging() = i;
+    meta.push(s);
+    null_step_kernel<<<1, 1, 0, s.get()>>>(meta.device(), token.data());
+    REPLAY_CHECK_LAUNCH("null_step_kernel");
+    REPLAY_CHECK(cudaMemcpyAsync(host.data(), token.data(), sizeof(std::int32_t), cudaMemcpyDeviceToHost, s.get()));
+    s.synchronize();
+    if (host.data()[0] != i + 1) throw std::runtime_error("null step: wrong token");
+    ++i;
+  }
+};
+
+/// Median wall time (seconds) of the null step over 200 steps after 20 of warm-up. Measured once
+/// per process.
 double null_step_seconds() {
   static const double sec = [] {
-    replay::stream s;
-    replay::step_meta<std::int32_t> meta;
-    replay::device_buffer<std::int32_t> token(1);
-    replay::pinned_buffer<std::int32_t> host(1);
+    null_stepper n;
     std::vector<double> t;
     for (int i = 0; i < 220; ++i) {
       host_clock c;
-      meta.staging() = i;
-      meta.push(s);
-      null_step_kernel<<<1, 1, 0, s.get()>>>(meta.device(), token.data());
-      REPLAY_CHECK_LAUNCH("null_step_kernel");
-      REPLAY_CHECK(cudaMemcpyAsync(host.data(), token.data(), sizeof(std::int32_t), cudaMemcpyDeviceToHost, s.get()));
-      s.synchronize();
+      n.step();
       if (i >= 20) t.push_back(c.seconds());
-      if (host.data()[0] != i + 1) throw std::runtime_error("null step: wrong token");
     }
     return replay_bench::median(t);
   }();
@@ -101,25 +113,11 @@ void bm_d2d(benchmark::State& state) {
 void bm_null_step(benchmark::State& state) {
   if (replay_bench::skip_without_device(state)) return;
   try {
-    replay::stream s;
-    replay::step_meta<std::int32_t> meta;
-    replay::device_buffer<std::int32_t> token(1);
-    replay::pinned_buffer<std::int32_t> host(1);
-    std::int32_t i = 0;
-    const auto step = [&] {
-      meta.staging() = i;
-      meta.push(s);
-      null_step_kernel<<<1, 1, 0, s.get()>>>(meta.device(), token.data());
-      REPLAY_CHECK_LAUNCH("null_step_kernel");
-      REPLAY_CHECK(cudaMemcpyAsync(host.data(), token.data(), sizeof(std::int32_t), cudaMemcpyDeviceToHost, s.get()));
-      s.synchronize();
-      if (host.data()[0] != i + 1) throw std::runtime_error("null step: wrong token");
-      ++i;
-    };
-    for (int w = 0; w < 10; ++w) step();
+    null_stepper n;
+    for (int w = 0; w < 10; ++w) n.step();
     for (auto _ : state) {
       host_clock c;
-      step();
+      n.step();
       state.SetIterationTime(c.seconds());
     }
   } catch (const std::exception& e) {
