@@ -8,7 +8,9 @@
 # sanitize: memcheck of the GPU test cases that run mega (also with 2560-weight slots), then the
 #           racecheck stage;
 # racecheck: racecheck of the CLI with mega (tiny shape; every hazard counted and grouped);
-# bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace;
+# bench:    A/B of mega and ring at batch 1 (alternating processes, ROUNDS rounds), with the trace
+#           (TRACE_BIN_DIR: a build configured with -DQWEN_MEGA_TRACE=ON; default BIN_DIR, where
+#           the trace is printed only if that build has it);
 # longctx:  mega and ring after a 2000-token prompt;
 # parity:   parity.py against Hugging Face with the persistent kernel (tensor-core rows) decoding;
 # chunks:   mega's attention chunk size (CHUNKS, default "64 128 256") at short and long contexts.
@@ -65,7 +67,7 @@ for stage in $stages; do
       KERNELS="${KERNELS:-mega ring}" ROUNDS=${ROUNDS:-2} BIN_DIR="$bin" bash scripts/gpu-qwen-ab.sh
       for shape in qwen3-0.6b qwen3-4b; do
         kv=4096; [ "$shape" = qwen3-4b ] && kv=8192
-        QWEN_MEGA_TRACE=1 timeout 150 "$bin/qwen" --preset "$shape" --bench --random-prompt 16 --gen 128 \
+        QWEN_MEGA_TRACE=1 timeout 150 "${TRACE_BIN_DIR:-$bin}/qwen" --preset "$shape" --bench --random-prompt 16 --gen 128 \
           --bench-batches 1 --kv-mem-mb $kv --kernels mega >"$out/mega_trace_$shape.log" 2>&1
         grep -E "^\| (eager|graph) |mega trace|^  [a-z]" "$out/mega_trace_$shape.log"
       done ;;

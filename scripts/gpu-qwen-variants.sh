@@ -4,7 +4,7 @@
 #   BINS="dir/qwen_a dir/qwen_b" KERNELS=mega ROUNDS=2 SHAPES="qwen3-0.6b qwen3-4b" TRACE=1 \
 #     bash scripts/gpu-qwen-variants.sh
 # One line per run (binary, shape, eager and graph TPOT); TRACE=1 adds one QWEN_MEGA_TRACE run per
-# binary and shape (its per-phase summary).
+# binary and shape (its per-phase summary; binaries configured with -DQWEN_MEGA_TRACE=ON).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"

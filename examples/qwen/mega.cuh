@@ -109,7 +109,8 @@ struct MegaParams {
   /// Weights per ring slot: 2048, or with tensor-core rows a multiple of 256 up to 4096; 0:
   /// mega_geometry picks one. Set it to the geometry's.
   int piece = 0;
-  /// Diagnostics (QWEN_MEGA_TRACE=1): [grid][5 layers + 2][kMegaMarks] %globaltimer stamps per block
+  /// Diagnostics (QWEN_MEGA_TRACE=1 in a build with the trace: mega_trace_built()): [grid][5 layers +
+  /// 2][kMegaMarks] %globaltimer stamps per block
   /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
   /// state shared; GEMV: ns waited for ring slots summed over warps, slots found empty; with a
   /// QWEN_MEGA_PROF build also SM cycles summed over warps in slot waits, row arithmetic and row
@@ -126,6 +127,9 @@ struct MegaGeometry {
   int grid = 0;          ///< blocks: one per SM
 };
 
+/// Whether the persistent kernel was built with its trace (-DQWEN_MEGA_TRACE_BUILD=1, CMake option
+/// QWEN_MEGA_TRACE); without it MegaParams::trace is ignored.
+bool mega_trace_built();
 /// Whether the persistent kernel is built for (head_dim, query heads per kv head).
 bool mega_supported(int head_dim, int group);
 /// Attention's default split: as many chunks per context as there are blocks per attention item

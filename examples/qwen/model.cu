@@ -425,9 +425,14 @@ struct Engine::Impl {
     p.block_best = mega_best.data();
     p.sync = mega_sync.data();
     if (const char* t = std::getenv("QWEN_MEGA_TRACE"); t != nullptr && std::atoi(t) != 0) {
-      mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * kMegaMarks);
-      REPLAY_CHECK(cudaMemset(mega_trace.data(), 0, mega_trace.size_bytes()));
-      p.trace = mega_trace.data();
+      if (!mega_trace_built()) {
+        fmt::print(stderr, "qwen: QWEN_MEGA_TRACE=1 ignored: the persistent kernel was built without its trace "
+                           "(configure with -DQWEN_MEGA_TRACE=ON)\n");
+      } else {
+        mega_trace = replay::device_buffer<unsigned long long>(std::size_t(num_sms) * (5 * L + 2) * kMegaMarks);
+        REPLAY_CHECK(cudaMemset(mega_trace.data(), 0, mega_trace.size_bytes()));
+        p.trace = mega_trace.data();
+      }
     }
     // The geometry's choice of weights per slot; QWEN_MEGA_PIECE=n forces n with tensor-core rows
     // (diagnostics; the FMA rows take 2048).
