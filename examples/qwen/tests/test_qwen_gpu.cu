@@ -107,6 +107,23 @@ std::vector<std::vector<int>> prompts_of(int n, int len0, int dlen, int salt0, i
   return v;
 }
 
+/// How many of the logits differ bit for bit (a count, so that a failure says how many).
+std::size_t differing(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  std::size_t n = 0;
+  for (std::size_t k = 0; k < a.size(); ++k) n += a[k] != b[k] ? 1 : 0;
+  return n;
+}
+/// Relative L2 distance of got[0, n) from want[0, n).
+double rel_l2(const float* got, const float* want, std::size_t n) {
+  double num = 0, den = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    const double d = double(got[k]) - want[k];
+    num += d * d, den += double(want[k]) * want[k];
+  }
+  return std::sqrt(num / den);
+}
+
 }  // namespace
 
 TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV and GEMM buckets)") {
@@ -163,12 +180,8 @@ void cross_check(const Config& cfg) {
         for (int i = 0; i < batch; ++i)
           for (int j = 0; j <= s; ++j) same_so_far = same_so_far && tr[i][j] == tv[i][j];
         if (!same_so_far) break;
-        double num = 0, den = 0;
-        for (std::size_t k = std::size_t(s) * batch * V; k < std::size_t(s + 1) * batch * V; ++k) {
-          const double d = double(lv[k]) - lr[k];
-          num += d * d, den += double(lr[k]) * lr[k];
-        }
-        worst = std::max(worst, std::sqrt(num / den));
+        const std::size_t at = std::size_t(s) * batch * V, n = std::size_t(batch) * V;
+        worst = std::max(worst, rel_l2(lv.data() + at, lr.data() + at, n));
         ++compared;
       }
       MESSAGE(cfg.name << " " << kern.name << " batch " << batch << ": " << compared << " steps compared, worst rel L2 "
@@ -198,10 +211,7 @@ double teacher_forced_worst(Engine& e, Engine& ref, const std::vector<int>& prom
     DecodeRow row{s, toks[i], len + i};
     int next = 0;
     e.decode(std::span<const DecodeRow>(&row, 1), true, std::span<int>(&next, 1), got);
-    const float* want = lref.data() + std::ptrdiff_t(i) * V;
-    double num = 0, den = 0;
-    for (int k = 0; k < V; ++k) num += (double(got[k]) - want[k]) * (double(got[k]) - want[k]), den += double(want[k]) * want[k];
-    worst = std::max(worst, std::sqrt(num / den));
+    worst = std::max(worst, rel_l2(got.data(), lref.data() + std::ptrdiff_t(i) * V, std::size_t(V)));
   }
   book.release(s);
   return worst;
@@ -244,10 +254,7 @@ TEST_CASE("the ring GEMV gives logits bit-identical to the pipelined GEMV (same 
         const auto tr = generate(ref, prompts, 10, graph, &lr);
         const auto tv = generate(ring, prompts, 10, graph, &lv);
         CHECK(tr == tv);
-        REQUIRE(lr.size() == lv.size());
-        std::size_t differ = 0;
-        for (std::size_t k = 0; k < lr.size(); ++k) differ += lr[k] != lv[k] ? 1 : 0;
-        CHECK(differ == 0);
+        CHECK(differing(lr, lv) == 0);
       }
     }
   }
@@ -276,10 +283,7 @@ TEST_CASE("the persistent kernel gives logits bit-identical to the ring kernels 
         const auto tr = generate(ref, prompts, 24, graph, &lr);
         const auto tv = generate(mega, prompts, 24, graph, &lv);
         CHECK(tr == tv);
-        REQUIRE(lr.size() == lv.size());
-        std::size_t differ = 0;
-        for (std::size_t k = 0; k < lr.size(); ++k) differ += lr[k] != lv[k] ? 1 : 0;
-        CHECK(differ == 0);
+        CHECK(differing(lr, lv) == 0);
       }
       // Tensor-core rows, teacher-forced with the ring kernels' tokens: every step within 1e-2.
       const double worst = teacher_forced_worst(tc, ref, prompts[0], 24);
@@ -324,18 +328,14 @@ TEST_CASE("the persistent kernel's split attention: bit-identical to the per-mat
         std::vector<float> ls, lf;
         const auto ts = generate(same, prompts, 12, graph, &ls);
         CHECK(tr == ts);
-        REQUIRE(lr.size() == ls.size());
-        std::size_t differ = 0;
-        for (std::size_t k = 0; k < lr.size(); ++k) differ += lr[k] != ls[k] ? 1 : 0;
-        CHECK(differ == 0);
+        CHECK(differing(lr, ls) == 0);
         (void)generate(fine, prompts, 12, graph, &lf);
         if (!graph) {
           lf_eager = lf;
           // The first step's logits (same input token): close to the per-matrix kernels'.
-          double num = 0, den = 0;
-          for (int k = 0; k < V; ++k) num += (double(lf[k]) - lr[k]) * (double(lf[k]) - lr[k]), den += double(lr[k]) * lr[k];
-          MESSAGE("fine chunks vs per-matrix split-KV, first step: relative L2 " << std::sqrt(num / den));
-          CHECK(std::sqrt(num / den) < 1e-2);
+          const double d = rel_l2(lf.data(), lr.data(), std::size_t(V));
+          MESSAGE("fine chunks vs per-matrix split-KV, first step: relative L2 " << d);
+          CHECK(d < 1e-2);
         } else {
           CHECK(lf == lf_eager);
         }
@@ -431,9 +431,7 @@ TEST_CASE("prefill and token-by-token decode agree on the last prompt token") {
     DecodeRow row{s, p[i], i};
     e.decode(std::span<const DecodeRow>(&row, 1), true, std::span<int>(&next, 1), dec);
   }
-  double num = 0, den = 0;
-  for (int i = 0; i < V; ++i) num += (dec[i] - ref[i]) * double(dec[i] - ref[i]), den += double(ref[i]) * ref[i];
-  const double rel = std::sqrt(num / den);
+  const double rel = rel_l2(dec.data(), ref.data(), std::size_t(V));
   MESSAGE("prefill vs decode relative L2 error: " << rel);
   CHECK(rel < 1e-2);
   book.release(s);
@@ -460,11 +458,7 @@ void split_kv_check(const Config& cfg) {
     book.ensure(slots.back(), lens[i]);
     (void)e.prefill(slots.back(), prompts.back(), 0, std::span<float>(ref).subspan(i * V, V));
   }
-  const auto rel = [&](std::span<const float> a, std::span<const float> b) {
-    double num = 0, den = 0;
-    for (std::size_t k = 0; k < a.size(); ++k) num += (double(a[k]) - b[k]) * (double(a[k]) - b[k]), den += double(b[k]) * b[k];
-    return std::sqrt(num / den);
-  };
+  const auto rel = [](std::span<const float> a, std::span<const float> b) { return rel_l2(a.data(), b.data(), a.size()); };
   // Each sequence's last prompt token again, as a decode step (it rewrites the same K/V), alone and
   // all together, eager and graph.
   for (bool together : {false, true}) {
