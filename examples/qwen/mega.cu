@@ -48,12 +48,12 @@ constexpr int kMaxPiece = 4 * kChunk;
 constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging (12: spills)
 constexpr int kSmemLayers = 48;        // layer tables up to this long are copied to shared memory
                                        // (64: 4B's fifth 5 KiB slot per warp did not fit)
+constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
 // The trace (MegaParams::trace) is compiled in only by a build with -DQWEN_MEGA_TRACE_BUILD=1 (CMake
 // option QWEN_MEGA_TRACE): its checks alone, never taken, made the step 1.2-2% slower (H200, 0.6B and 4B).
 #ifndef QWEN_MEGA_TRACE_BUILD
 #define QWEN_MEGA_TRACE_BUILD 0
 #endif
-constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
 
 // ------------------------------------------------------------------------------------------------
 // Tagged words
