@@ -1,29 +1,43 @@
 #!/usr/bin/env bash
 # The NanoGPT per-step speedup across processes: the eager step's host launch cost moves by up to
 # ±15% from one process to the next, so one process's ratio is one sample. Runs ROUNDS rounds of
-# `nanogpt --bench` alternating the metadata paths (META, default "device mapped"), one process each,
-# and prints each process's medium_generation line and, per path, the median over processes of the
+# `nanogpt --bench`, one process per (binary, metadata path, extra flags) variant, alternating, and
+# prints each process's medium_generation line and, per variant, the median over processes of the
 # eager step, the graph step and the per-step speedup.
+#   NG / BINS  the nanogpt binary, or several to compare builds (BINS="a/nanogpt b/nanogpt")
+#   META       metadata paths (default "device mapped")
+#   FLAGS      extra flag sets, separated by commas (e.g. FLAGS=",--null-kernels": default and empty
+#              kernels); default: none
 #   source .deps/tools/env.sh && NG=build/examples/nanogpt/nanogpt bash scripts/gpu-nanogpt-ab.sh
 set -uo pipefail
 NG=${NG:-build-gpu-nanogpt/examples/nanogpt/nanogpt}
+BINS=${BINS:-$NG}
 ROUNDS=${ROUNDS:-8}
 META=${META:-device mapped}
+FLAGS=${FLAGS:-}
+IFS=',' read -r -a flag_sets <<< "$FLAGS"
+[ ${#flag_sets[@]} -eq 0 ] && flag_sets=("")
 log=$(mktemp)
 for r in $(seq 1 "$ROUNDS"); do
-  for m in $META; do
-    "$NG" --bench --meta "$m" 2>&1 | grep "^medium_generation per step" | sed "s/^/round $r: /" | tee -a "$log"
+  for f in "${flag_sets[@]}"; do
+    for bin in $BINS; do
+      for m in $META; do
+        # shellcheck disable=SC2086  # $f: a set of flags
+        "$bin" --bench --meta "$m" $f 2>&1 | grep "^medium_generation per step" |
+          sed "s|^|round $r [$bin${f:+ $f}]: |" | tee -a "$log"
+      done
+    done
   done
 done
 python3 - "$log" <<'PY'
 import re, statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
-    m = re.search(r"meta (\S+?)[\],].*eager ([\d.]+) µs, graph ([\d.]+) µs, ([\d.]+)x", line)
+    m = re.search(r"\[(.*?)\]: .*meta (\S+?)[\],].*eager ([\d.]+) µs, graph ([\d.]+) µs, ([\d.]+)x", line)
     if m:
-        rows.setdefault(m.group(1), []).append(tuple(float(m.group(i)) for i in (2, 3, 4)))
-for meta, v in rows.items():
+        rows.setdefault(f"{m.group(1)} meta {m.group(2)}", []).append(tuple(float(m.group(i)) for i in (3, 4, 5)))
+for key, v in rows.items():
     e, g, x = (statistics.median(c) for c in zip(*v))
-    print(f"meta {meta}: {len(v)} processes, medians: eager {e:.2f} µs, graph {g:.2f} µs, per-step speedup {x:.2f}x "
+    print(f"{key}: {len(v)} processes, medians: eager {e:.2f} µs, graph {g:.2f} µs, per-step speedup {x:.2f}x "
           f"(range {min(t[2] for t in v):.2f}-{max(t[2] for t in v):.2f}x)")
 PY

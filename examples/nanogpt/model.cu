@@ -135,14 +135,15 @@ __device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
 /// MetaPath::device: the last kernel of a step (or a prefill) writes the metadata of the step that
 /// follows it, the token it sampled at position seq_len, so the host need not write anything for an
 /// ordinary next step. Called after the kernel's wait (every earlier kernel of the step has read the
-/// metadata by then, and this one read it before the wait); the fence makes the write visible
-/// device-wide before the token reaches the host.
+/// metadata by then, and this one read it before the wait). No fence: the first kernel of every
+/// step and prefill is launched without PDL (Launcher::first), so it starts only after this kernel
+/// has completed, which makes these writes visible to it and to every later kernel of its step
+/// (they start after it does). The token can therefore go to the host before this is written.
 __device__ __forceinline__ void advance_meta(StepMeta* next, const StepMeta& m, int token) {
   if (next == nullptr) return;
   next->token = token;
   next->pos = m.seq_len;
   next->seq_len = m.seq_len + 1;
-  __threadfence_system();
 }
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & 31; }
@@ -333,13 +334,14 @@ __device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head,
 // Kernels
 // ============================================================================================
 
-/// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row.
+/// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row. Launched
+/// without PDL (Launcher::first): it starts after the previous step has completed.
 template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  // The metadata and the prompt were written before this step's first kernel started, and the
-  // embeddings are constants: all can be read before waiting for the previous kernel.
+  // The metadata (pushed, or written by the previous step's sampler) and the prompt were written
+  // before this kernel started; the embeddings are constants.
   const StepMeta m = load_meta(meta);
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
   const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
@@ -347,7 +349,6 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
   const int pos = !active ? 0 : m.pos + row;
   const int i = lane_id();
   const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
-  pdl_wait();  // the previous step's last kernel may still read x
   if (active) b.x[row * C::n_embd + i] = e;
 }
 
@@ -535,8 +536,8 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   if (warp_id() == 0) {
     const int token = sample_warp(logits, m);
     if (lane_id() == 0) {
-      advance_meta(b.advance, m, token);
       *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+      advance_meta(b.advance, m, token);
     }
   }
 }
@@ -552,8 +553,8 @@ __global__ void __launch_bounds__(32) null_step_kernel(const StepMeta* meta, Buf
   if (threadIdx.x == 0) {
     *b.counter += 1;
     if (last != 0) {
-      advance_meta(b.advance, m, m.token);
       *static_cast<volatile std::int32_t*>(b.token_out) = m.token;
+      advance_meta(b.advance, m, m.token);
     }
   }
 }
@@ -585,11 +586,17 @@ struct Launcher {
   const StepMeta* meta;  // device-accessible address of the step metadata
   ModelOptions opt;
 
+  /// The first kernel of a step or prefill is launched without PDL: it starts only once everything
+  /// before it on the stream has completed, in particular the previous step's sampler, whose writes
+  /// of the next StepMeta (advance_meta) it and every later kernel of its step then see. (In a
+  /// captured graph the first kernel has no programmatic edge either way.)
+  static constexpr bool first = false;
+
   void embed(cudaStream_t s, Phase phase, int rows) const {
     if (phase == Phase::decode)
-      launch("embed_kernel<decode>", opt.pdl, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
+      launch("embed_kernel<decode>", first, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
     else
-      launch("embed_kernel<prefill>", opt.pdl, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta,
+      launch("embed_kernel<prefill>", first, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta,
              b);
   }
   void attention_block(cudaStream_t s, int layer) const {
@@ -618,14 +625,14 @@ struct Launcher {
       launch("lm_head_sample_kernel<prefill>", opt.pdl, lm_head_sample_kernel<Phase::prefill>, 1, kThreads, s,
              p.lnf_w, p.lnf_b, p.head_w, p.head_b, meta, b);
   }
-  void null_step(cudaStream_t s, bool last) const {
-    launch("null_step_kernel", opt.pdl, null_step_kernel, 1, 32, s, meta, b, last ? 1 : 0);
+  void null_step(cudaStream_t s, bool is_first, bool last) const {
+    launch("null_step_kernel", is_first ? first : opt.pdl, null_step_kernel, 1, 32, s, meta, b, last ? 1 : 0);
   }
 
   /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
   void decode_step(cudaStream_t s) const {
     if (opt.null_kernels) {
-      for (int i = 0; i < kStages; ++i) null_step(s, i == kStages - 1);
+      for (int i = 0; i < kStages; ++i) null_step(s, i == 0, i == kStages - 1);
       return;
     }
     embed(s, Phase::decode, 1);
