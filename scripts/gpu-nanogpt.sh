@@ -4,7 +4,7 @@
 #   source .deps/tools/env.sh && bash scripts/gpu-nanogpt.sh
 # Stages: build → train (when TRAIN=1 or no weights file exists) → tests → default run → bench
 # (the default settings, then each launch variant: metadata path, PDL off, empty kernels) → parity
-# vs PyTorch → compute-sanitizer memcheck. Every stage runs even if an earlier one failed;
+# vs PyTorch → compute-sanitizer memcheck and racecheck. Every stage runs even if an earlier one failed;
 # logs go to $OUT (default out-nanogpt), summary.txt says what passed.
 #
 # CARRIED_BUILD=dir: use a build directory configured and built on the CPU machine (sm_90, CUDA 13.0)
@@ -88,6 +88,14 @@ fi
 stage memcheck_tests 200 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
   "$B/examples/nanogpt/nanogpt_decode"
 grep -E "ERROR SUMMARY|test cases" "$L/memcheck_tests.log" >> "$S"
+# racecheck (the kernels share memory across warps): the test cases that run every kernel, prefill and
+# decode, eager and graph (the whole suite takes more than 5 minutes under racecheck).
+# RACECHECK=0 skips it (e.g. to stay within one call's time limit; run it in a second call).
+if [ "${RACECHECK:-1}" = 1 ]; then
+  stage racecheck_tests 300 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+    "$B/examples/nanogpt/nanogpt_decode" -tc="*CPU reference*,*PDL on and off*,*null kernels*,*MetaPath::device*"
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test cases" "$L/racecheck_tests.log" >> "$S"
+fi
 stage memcheck_cli 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30
 stage memcheck_cli_push 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30 --meta push
 stage memcheck_cli_mapped 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30 --meta mapped
