@@ -136,7 +136,7 @@ __device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
 /// follows it, the token it sampled at position seq_len, so the host need not write anything for an
 /// ordinary next step. Called after the kernel's wait (every earlier kernel of the step has read the
 /// metadata by then, and this one read it before the wait). No fence: the first kernel of every
-/// step and prefill is launched without PDL (Launcher::first), so it starts only after this kernel
+/// step and prefill is launched without PDL (Launcher::pdl_first), so it starts only after this kernel
 /// has completed, which makes these writes visible to it and to every later kernel of its step
 /// (they start after it does). The token can therefore go to the host before this is written.
 __device__ __forceinline__ void advance_meta(StepMeta* next, const StepMeta& m, int token) {
@@ -335,7 +335,7 @@ __device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head,
 // ============================================================================================
 
 /// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row. Launched
-/// without PDL (Launcher::first): it starts after the previous step has completed.
+/// without PDL (Launcher::pdl_first): it starts after the previous step has completed.
 template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
@@ -590,13 +590,13 @@ struct Launcher {
   /// before it on the stream has completed, in particular the previous step's sampler, whose writes
   /// of the next StepMeta (advance_meta) it and every later kernel of its step then see. (In a
   /// captured graph the first kernel has no programmatic edge either way.)
-  static constexpr bool first = false;
+  static constexpr bool pdl_first = false;
 
   void embed(cudaStream_t s, Phase phase, int rows) const {
     if (phase == Phase::decode)
-      launch("embed_kernel<decode>", first, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
+      launch("embed_kernel<decode>", pdl_first, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
     else
-      launch("embed_kernel<prefill>", first, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta,
+      launch("embed_kernel<prefill>", pdl_first, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta,
              b);
   }
   void attention_block(cudaStream_t s, int layer) const {
@@ -626,7 +626,7 @@ struct Launcher {
              p.lnf_w, p.lnf_b, p.head_w, p.head_b, meta, b);
   }
   void null_step(cudaStream_t s, bool is_first, bool last) const {
-    launch("null_step_kernel", is_first ? first : opt.pdl, null_step_kernel, 1, 32, s, meta, b, last ? 1 : 0);
+    launch("null_step_kernel", is_first ? pdl_first : opt.pdl, null_step_kernel, 1, 32, s, meta, b, last ? 1 : 0);
   }
 
   /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
