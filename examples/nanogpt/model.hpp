@@ -71,8 +71,9 @@ constexpr std::string_view to_string(MetaPath m) noexcept {
 
 /// Launch settings (the same for both modes, so eager and graph stay bit-identical).
 struct ModelOptions {
-  /// Programmatic dependent launch (sm_90+): each kernel may start while the previous one runs,
-  /// loading its weights before it waits for the previous kernel's output. Off: plain launches.
+  /// Programmatic dependent launch (sm_90+): each kernel but the first of a step or prefill may
+  /// start while the previous one runs, loading its weights before it waits for the previous
+  /// kernel's output. Off: plain launches.
   bool pdl = true;
   /// How the step metadata reaches the kernels.
   MetaPath meta = MetaPath::device;
