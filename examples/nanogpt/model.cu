@@ -96,6 +96,44 @@ static_assert(C::vocab_size <= kThreads && 3 * C::n_embd <= kThreads);
 constexpr int kCacheLayer = C::n_head * C::block_size * C::head_size;  // floats per layer per K/V
 constexpr int kStages = 2 + 2 * C::n_layer;                           // kernels per decode step
 
+#ifdef NANOGPT_STAMPS
+// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON only; see read_stamps()): every decode
+// kernel reads %globaltimer and clock64 at kStamps points into registers and, at its end, thread 0
+// stores them in the kernel's slot: its order of entry in the step (an atomic ticket modulo
+// kStages; each kernel starts only after the previous one triggered it).
+constexpr int kStamps = 8;  // 0 entry, 1 wait returned, 2 residual row normalised, 3-6 kernel-specific, 7 output stored
+__device__ unsigned long long g_stamp_time[kStages][kStamps];
+__device__ long long g_stamp_clock[kStages][kStamps];
+__device__ unsigned g_stamp_ticket;
+struct Stamps {
+  unsigned long long t[kStamps] = {};
+  long long c[kStamps] = {};
+  __device__ __forceinline__ void at(int i) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t[i])::"memory");
+    c[i] = clock64();
+  }
+  /// Stamp i once `dep` has been computed (the branch on it orders the timer read after it).
+  __device__ __forceinline__ void after(int i, float dep) {
+    if (__float_as_uint(dep) == 0xfffffffeu) asm volatile("trap;");
+    at(i);
+  }
+  __device__ __forceinline__ void flush(bool decode) const {
+    if (!decode || threadIdx.x != 0 || blockIdx.x != 0) return;
+    const unsigned slot = atomicAdd(&g_stamp_ticket, 1u) % kStages;
+    for (int i = 0; i < kStamps; ++i) g_stamp_time[slot][i] = t[i], g_stamp_clock[slot][i] = c[i];
+  }
+};
+#define NANOGPT_STAMPS_BEGIN Stamps stamps_; stamps_.at(0)
+#define NANOGPT_STAMP(i) stamps_.at(i)
+#define NANOGPT_STAMP_AFTER(i, dep) stamps_.after(i, dep)
+#define NANOGPT_STAMPS_END(decode) stamps_.flush(decode)
+#else
+#define NANOGPT_STAMPS_BEGIN static_cast<void>(0)
+#define NANOGPT_STAMP(i) static_cast<void>(0)
+#define NANOGPT_STAMP_AFTER(i, dep) static_cast<void>(0)
+#define NANOGPT_STAMPS_END(decode) static_cast<void>(0)
+#endif
+
 /// Which rows a kernel works on: one token (decode, row 0) or the prompt (prefill, one block each).
 enum class Phase { decode, prefill };
 
@@ -340,6 +378,8 @@ template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
+  NANOGPT_STAMPS_BEGIN;
+  NANOGPT_STAMP(1);  // no wait
   // The metadata (pushed, or written by the previous step's sampler) and the prompt were written
   // before this kernel started; the embeddings are constants.
   const StepMeta m = load_meta(meta);
@@ -349,7 +389,10 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
   const int pos = !active ? 0 : m.pos + row;
   const int i = lane_id();
   const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
+  NANOGPT_STAMP_AFTER(2, e);
   if (active) b.x[row * C::n_embd + i] = e;
+  NANOGPT_STAMP(7);
+  NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
 /// Decode: the whole attention sublayer for the step's token in one block:
@@ -359,6 +402,7 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
 __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
                                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
+  NANOGPT_STAMPS_BEGIN;
   const int lane = lane_id(), h = warp_id();
   const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load (possibly over the bus) overlaps it
   // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
@@ -372,18 +416,25 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
   const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
 
   pdl_wait();
+  NANOGPT_STAMP(1);
   Row32 x = load_activations(b.x);
   const float x_lane = __ldcg(b.x + lane);
   const float rstd = center_rstd(x);
+  NANOGPT_STAMP_AFTER(2, rstd);
   const float out = norm_linear(w_qkv, x, rstd);
+  NANOGPT_STAMP_AFTER(3, out);
   if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
   const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
   const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
   const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
   const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
+  NANOGPT_STAMP_AFTER(4, v.b.w);
   constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
   const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
+  NANOGPT_STAMP_AFTER(5, head.b.w);
   project_residual(w_proj, head, x_lane, b.x);
+  NANOGPT_STAMP(7);
+  NANOGPT_STAMPS_END(true);
 }
 
 /// Prefill, part 1 of the attention sublayer: one block per prompt token writes its q and its k, v
@@ -440,6 +491,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
+  NANOGPT_STAMPS_BEGIN;
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const NormLinearRow w1 = prefetch_norm_linear(p.fc1_w + t * C::n_embd, p.ln2_w, p.ln2_b, load_weight(p.fc1_b + t));
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
@@ -447,21 +499,31 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
   const bool active = P == Phase::decode || row < __ldcg(&meta->seq_len);
   pdl_wait();
+  NANOGPT_STAMP(1);
   if (!active) return;  // prefill only
   float* x_row = b.x + row * C::n_embd;
   Row32 x = load_activations(x_row);
   const float x_lane = __ldcg(x_row + lane);
   const float rstd = center_rstd(x);
+  NANOGPT_STAMP_AFTER(2, rstd);
   __shared__ __align__(16) float hidden[C::ffn_hidden];
   __shared__ float share[kWarps][C::n_embd];
-  hidden[t] = fmaxf(norm_linear(w1, x, rstd), 0.0f);  // ReLU
+  const float hidden_t = fmaxf(norm_linear(w1, x, rstd), 0.0f);  // ReLU
+  hidden[t] = hidden_t;
+  NANOGPT_STAMP_AFTER(3, hidden_t);
   __syncthreads();
+  NANOGPT_STAMP(4);
   Row32 h;
 #pragma unroll
   for (int i = 0; i < 8; ++i) h.v[i] = reinterpret_cast<const float4*>(hidden + warp * 32)[i];
-  share[warp][lane] = dot32(w2, h);
+  const float share_t = dot32(w2, h);
+  share[warp][lane] = share_t;
+  NANOGPT_STAMP_AFTER(5, share_t);
   __syncthreads();
+  NANOGPT_STAMP(6);
   if (warp == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + b2);
+  NANOGPT_STAMP(7);
+  NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
 /// Samples a token from 65 logits in shared memory; called by one whole warp, every lane returns it.
@@ -518,28 +580,36 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
                                                                   const float* head_w, const float* head_b,
                                                                   const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
+  NANOGPT_STAMPS_BEGIN;
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
   const StepMeta m = load_meta(meta);
   pdl_wait();
+  NANOGPT_STAMP(1);
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
   Row32 x = load_activations(b.x + row * C::n_embd);
   const float rstd = center_rstd(x);
+  NANOGPT_STAMP_AFTER(2, rstd);
   const float logit = norm_linear(w, x, rstd);
+  NANOGPT_STAMP_AFTER(3, logit);
   __shared__ float logits[C::vocab_size];
   if (t < C::vocab_size) {
     logits[t] = logit;
     b.logits[t] = logit;
   }
   __syncthreads();
+  NANOGPT_STAMP(4);
   if (warp_id() == 0) {
     const int token = sample_warp(logits, m);
+    NANOGPT_STAMP_AFTER(5, __int_as_float(token));
     if (lane_id() == 0) {
       *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
       advance_meta(b.advance, m, token);
     }
   }
+  NANOGPT_STAMP(7);
+  NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
 /// Diagnostics (ModelOptions::null_kernels): a decode-step kernel without model work. It reads the
@@ -946,6 +1016,19 @@ void check_lengths(std::size_t prompt_len, long long n_tokens) {
         prompt_len, n_tokens, static_cast<long long>(prompt_len) + n_tokens, C::block_size,
         C::block_size - static_cast<long long>(prompt_len)));
 }
+
+#ifdef NANOGPT_STAMPS
+StepStamps read_stamps() {
+  StepStamps s;
+  static_assert(sizeof(s.time) == sizeof(g_stamp_time) && sizeof(s.clock) == sizeof(g_stamp_clock));
+  REPLAY_CHECK(cudaMemcpyFromSymbol(s.time, g_stamp_time, sizeof(s.time)));
+  REPLAY_CHECK(cudaMemcpyFromSymbol(s.clock, g_stamp_clock, sizeof(s.clock)));
+  unsigned ticket = 0;
+  REPLAY_CHECK(cudaMemcpyFromSymbol(&ticket, g_stamp_ticket, sizeof ticket));
+  s.ticket = ticket;
+  return s;
+}
+#endif
 
 GenerateResult generate(Model& model, std::span<const std::int32_t> prompt, int n_tokens, Mode mode,
                         const Sampling& sampling, bool fresh_capture) {

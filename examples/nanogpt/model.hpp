@@ -149,6 +149,20 @@ class Model {
   std::unique_ptr<Impl> impl_;
 };
 
+#ifdef NANOGPT_STAMPS
+/// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON): the stamps of the last decode step's
+/// kernels, in step order: %globaltimer (ns, 0 where not stamped) and clock64 at 0 entry, 1 the
+/// wait returned (the embedding has no wait), 2 the residual row loaded and normalised, 3-6 points
+/// of each kernel's own (see model.cu), 7 its output stored. Synchronous; call between steps.
+/// `ticket` counts decode kernels since the Model was created.
+struct StepStamps {
+  unsigned long long time[Model::kernels_per_decode_step][8];
+  long long clock[Model::kernels_per_decode_step][8];
+  unsigned ticket = 0;
+};
+StepStamps read_stamps();
+#endif
+
 /// Throws std::invalid_argument unless a prompt of `prompt_len` tokens followed by `n_tokens` new
 /// tokens fits the context (prompt_len >= 1, n_tokens >= 1, prompt_len + n_tokens <= block_size).
 void check_lengths(std::size_t prompt_len, long long n_tokens);
