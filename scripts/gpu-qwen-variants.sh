@@ -5,6 +5,8 @@
 #     bash scripts/gpu-qwen-variants.sh
 # One line per run (binary, shape, eager and graph TPOT); TRACE=1 adds one QWEN_MEGA_TRACE run per
 # binary and shape (its per-phase summary; binaries configured with -DQWEN_MEGA_TRACE=ON).
+# ENVS="QWEN_MEGA_WARM=0 QWEN_MEGA_WARM=4": run each binary once per environment setting (space
+# separated; "-" for none), alternating like the binaries.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
@@ -13,11 +15,14 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for shape in ${SHAPES:-qwen3-0.6b qwen3-4b}; do
     kv=4096; [ "$shape" = qwen3-4b ] && kv=8192
     for b in $BINS; do
+      for e in ${ENVS:--}; do
       for k in ${KERNELS:-mega}; do
-        n=$(basename "$b")
-        timeout 150 "$b" --preset "$shape" --bench --random-prompt ${PROMPT:-16} --gen 128 --bench-batches 1 \
+        n=$(basename "$b"); [ "$e" != - ] && n="$n.$e"
+        # shellcheck disable=SC2086  # $e: one VAR=value setting
+        env ${e#-} timeout 150 "$b" --preset "$shape" --bench --random-prompt ${PROMPT:-16} --gen 128 --bench-batches 1 \
           --kv-mem-mb $kv --kernels "$k" ${EXTRA:-} >"$out/var_${shape}_${n}_${k}_${round}.log" 2>&1
         echo "round $round $shape $n $k exit $? $(grep -E '^\| (eager|graph) ' "$out/var_${shape}_${n}_${k}_${round}.log" | tr -s ' ' | tr '\n' ' ')"
+      done
       done
     done
   done
