@@ -99,11 +99,13 @@ constexpr int kStages = 2 + 2 * C::n_layer;                           // kernels
 #ifdef NANOGPT_STAMPS
 // Diagnostics (a build configured with -DNANOGPT_STAMPS=ON only; see read_stamps()): every decode
 // kernel reads %globaltimer and clock64 at kStamps points into registers and, at its end, thread 0
-// stores them in the kernel's slot: its order of entry in the step (an atomic ticket modulo
-// kStages; each kernel starts only after the previous one triggered it).
+// takes a ticket (an atomic count of decode kernels) and stores them under step ticket / kStages
+// (modulo kStampSteps) and stage ticket % kStages: a kernel starts only after the previous one of
+// its step has triggered it, and ends after it, so the tickets follow the step's order.
 constexpr int kStamps = 8;  // 0 entry, 1 wait returned, 2 residual row normalised, 3-6 kernel-specific, 7 output stored
-__device__ unsigned long long g_stamp_time[kStages][kStamps];
-__device__ long long g_stamp_clock[kStages][kStamps];
+constexpr int kStampSteps = 64;  // the last steps kept
+__device__ unsigned long long g_stamp_time[kStampSteps][kStages][kStamps];
+__device__ long long g_stamp_clock[kStampSteps][kStages][kStamps];
 __device__ unsigned g_stamp_ticket;
 struct Stamps {
   unsigned long long t[kStamps] = {};
@@ -119,8 +121,9 @@ struct Stamps {
   }
   __device__ __forceinline__ void flush(bool decode) const {
     if (!decode || threadIdx.x != 0 || blockIdx.x != 0) return;
-    const unsigned slot = atomicAdd(&g_stamp_ticket, 1u) % kStages;
-    for (int i = 0; i < kStamps; ++i) g_stamp_time[slot][i] = t[i], g_stamp_clock[slot][i] = c[i];
+    const unsigned ticket = atomicAdd(&g_stamp_ticket, 1u);
+    const unsigned step = ticket / kStages % kStampSteps, slot = ticket % kStages;
+    for (int i = 0; i < kStamps; ++i) g_stamp_time[step][slot][i] = t[i], g_stamp_clock[step][slot][i] = c[i];
   }
 };
 #define NANOGPT_STAMPS_BEGIN Stamps stamps_; stamps_.at(0)

@@ -150,15 +150,21 @@ class Model {
 };
 
 #ifdef NANOGPT_STAMPS
-/// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON): the stamps of the last decode step's
-/// kernels, in step order: %globaltimer (ns, 0 where not stamped) and clock64 at 0 entry, 1 the
-/// wait returned (the embedding has no wait), 2 the residual row loaded and normalised, 3-6 points
-/// of each kernel's own (see model.cu), 7 its output stored. Synchronous; call between steps.
-/// `ticket` counts decode kernels since the Model was created.
+/// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON): the stamps of the decode kernels of
+/// the last `steps` decode steps: step i (0..steps-1) of them sits at [(first + i) % steps], its
+/// kernels in step order. %globaltimer (ns, 0 where not stamped) and clock64 at 0 entry, 1 the wait
+/// returned (the embedding has no wait), 2 the residual row loaded and normalised, 3-6 points of each
+/// kernel's own (see model.cu), 7 its output stored. `ticket` counts the decode kernels run since
+/// the program started. Synchronous; call between steps.
 struct StepStamps {
-  unsigned long long time[Model::kernels_per_decode_step][8];
-  long long clock[Model::kernels_per_decode_step][8];
+  static constexpr int steps = 64;
+  unsigned long long time[steps][Model::kernels_per_decode_step][8];
+  long long clock[steps][Model::kernels_per_decode_step][8];
   unsigned ticket = 0;
+  /// Where the oldest kept step sits.
+  [[nodiscard]] int first() const noexcept {
+    return static_cast<int>(ticket / Model::kernels_per_decode_step % steps);
+  }
 };
 StepStamps read_stamps();
 #endif
