@@ -97,42 +97,56 @@ constexpr int kCacheLayer = C::n_head * C::block_size * C::head_size;  // floats
 constexpr int kStages = 2 + 2 * C::n_layer;                           // kernels per decode step
 
 #ifdef NANOGPT_STAMPS
-// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON only; see read_stamps()): every decode
-// kernel reads %globaltimer and clock64 at kStamps points into registers and, at its end, thread 0
-// takes a ticket (an atomic count of decode kernels) and stores them under step ticket / kStages
-// (modulo kStampSteps) and stage ticket % kStages: a kernel starts only after the previous one of
-// its step has triggered it, and ends after it, so the tickets follow the step's order.
+// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON only; see read_stamps()): thread 0 of
+// every decode kernel takes a ticket at entry (an atomic count of decode kernels: a kernel starts
+// only after the previous one of its step has triggered it, so the tickets follow the step's
+// order), reads clock64 at kStamps points (and %globaltimer at entry, when its wait returned and
+// after its output store) into registers, and at its end stores them under step ticket / kStages
+// (modulo kStampSteps) and stage ticket % kStages. The stores and the clock reads cost little; the
+// ordering branches of NANOGPT_STAMP_AFTER serialise what they stamp.
 constexpr int kStamps = 8;  // 0 entry, 1 wait returned, 2 residual row normalised, 3-6 kernel-specific, 7 output stored
 constexpr int kStampSteps = 64;  // the last steps kept
 __device__ unsigned long long g_stamp_time[kStampSteps][kStages][kStamps];
 __device__ long long g_stamp_clock[kStampSteps][kStages][kStamps];
 __device__ unsigned g_stamp_ticket;
 struct Stamps {
+  unsigned ticket = 0;
   unsigned long long t[kStamps] = {};
   long long c[kStamps] = {};
-  __device__ __forceinline__ void at(int i) {
+  /// Entry: the kernel's ticket (its atomic's result is only needed at the end) and stamp 0.
+  __device__ __forceinline__ void begin(bool decode) {
+    if (decode && threadIdx.x == 0 && blockIdx.x == 0) ticket = atomicAdd(&g_stamp_ticket, 1u);
+    time(0);
+  }
+  /// clock64 only (cheap; the stamps inside a kernel).
+  __device__ __forceinline__ void at(int i) { c[i] = clock64(); }
+  /// %globaltimer and clock64 (entry, wait returned, output stored: comparable across kernels).
+  __device__ __forceinline__ void time(int i) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t[i])::"memory");
     c[i] = clock64();
   }
-  /// Stamp i once `dep` has been computed (the branch on it orders the timer read after it).
+  /// clock64 once `dep` has been computed (the branch on it orders the read after it).
   __device__ __forceinline__ void after(int i, float dep) {
     if (__float_as_uint(dep) == 0xfffffffeu) asm volatile("trap;");
     at(i);
   }
   __device__ __forceinline__ void flush(bool decode) const {
     if (!decode || threadIdx.x != 0 || blockIdx.x != 0) return;
-    const unsigned ticket = atomicAdd(&g_stamp_ticket, 1u);
     const unsigned step = ticket / kStages % kStampSteps, slot = ticket % kStages;
     for (int i = 0; i < kStamps; ++i) g_stamp_time[step][slot][i] = t[i], g_stamp_clock[step][slot][i] = c[i];
   }
 };
-#define NANOGPT_STAMPS_BEGIN Stamps stamps_; stamps_.at(0)
+#define NANOGPT_STAMPS_BEGIN(decode) \
+  Stamps stamps_;                    \
+  stamps_.begin(decode)
 #define NANOGPT_STAMP(i) stamps_.at(i)
+#define NANOGPT_STAMP_TIME(i) stamps_.time(i)
 #define NANOGPT_STAMP_AFTER(i, dep) stamps_.after(i, dep)
 #define NANOGPT_STAMPS_END(decode) stamps_.flush(decode)
 #else
-#define NANOGPT_STAMPS_BEGIN static_cast<void>(0)
+#define NANOGPT_STAMPS_BEGIN(decode) static_cast<void>(0)
 #define NANOGPT_STAMP(i) static_cast<void>(0)
+#define NANOGPT_STAMP_TIME(i) static_cast<void>(0)
 #define NANOGPT_STAMP_AFTER(i, dep) static_cast<void>(0)
 #define NANOGPT_STAMPS_END(decode) static_cast<void>(0)
 #endif
@@ -381,8 +395,8 @@ template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN;
-  NANOGPT_STAMP(1);  // no wait
+  NANOGPT_STAMPS_BEGIN(P == Phase::decode);
+  NANOGPT_STAMP_TIME(1);  // no wait
   // The metadata (pushed, or written by the previous step's sampler) and the prompt were written
   // before this kernel started; the embeddings are constants.
   const StepMeta m = load_meta(meta);
@@ -394,7 +408,7 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
   const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
   NANOGPT_STAMP_AFTER(2, e);
   if (active) b.x[row * C::n_embd + i] = e;
-  NANOGPT_STAMP(7);
+  NANOGPT_STAMP_TIME(7);
   NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
@@ -405,7 +419,7 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
 __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
                                                                    const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN;
+  NANOGPT_STAMPS_BEGIN(true);
   const int lane = lane_id(), h = warp_id();
   const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load (possibly over the bus) overlaps it
   // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
@@ -419,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
   const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
 
   pdl_wait();
-  NANOGPT_STAMP(1);
+  NANOGPT_STAMP_TIME(1);
   Row32 x = load_activations(b.x);
   const float x_lane = __ldcg(b.x + lane);
   const float rstd = center_rstd(x);
@@ -436,7 +450,7 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
   const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
   NANOGPT_STAMP_AFTER(5, head.b.w);
   project_residual(w_proj, head, x_lane, b.x);
-  NANOGPT_STAMP(7);
+  NANOGPT_STAMP_TIME(7);
   NANOGPT_STAMPS_END(true);
 }
 
@@ -494,7 +508,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN;
+  NANOGPT_STAMPS_BEGIN(P == Phase::decode);
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const NormLinearRow w1 = prefetch_norm_linear(p.fc1_w + t * C::n_embd, p.ln2_w, p.ln2_b, load_weight(p.fc1_b + t));
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
@@ -502,7 +516,7 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
   const bool active = P == Phase::decode || row < __ldcg(&meta->seq_len);
   pdl_wait();
-  NANOGPT_STAMP(1);
+  NANOGPT_STAMP_TIME(1);
   if (!active) return;  // prefill only
   float* x_row = b.x + row * C::n_embd;
   Row32 x = load_activations(x_row);
@@ -525,7 +539,7 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   __syncthreads();
   NANOGPT_STAMP(6);
   if (warp == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + b2);
-  NANOGPT_STAMP(7);
+  NANOGPT_STAMP_TIME(7);
   NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
@@ -583,13 +597,13 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
                                                                   const float* head_w, const float* head_b,
                                                                   const StepMeta* meta, Buffers b) {
   pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN;
+  NANOGPT_STAMPS_BEGIN(P == Phase::decode);
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
   const StepMeta m = load_meta(meta);
   pdl_wait();
-  NANOGPT_STAMP(1);
+  NANOGPT_STAMP_TIME(1);
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
   Row32 x = load_activations(b.x + row * C::n_embd);
   const float rstd = center_rstd(x);
@@ -611,7 +625,7 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
       advance_meta(b.advance, m, token);
     }
   }
-  NANOGPT_STAMP(7);
+  NANOGPT_STAMP_TIME(7);
   NANOGPT_STAMPS_END(P == Phase::decode);
 }
 

@@ -151,11 +151,11 @@ class Model {
 
 #ifdef NANOGPT_STAMPS
 /// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON): the stamps of the decode kernels of
-/// the last `steps` decode steps: step i (0..steps-1) of them sits at [(first + i) % steps], its
-/// kernels in step order. %globaltimer (ns, 0 where not stamped) and clock64 at 0 entry, 1 the wait
-/// returned (the embedding has no wait), 2 the residual row loaded and normalised, 3-6 points of each
-/// kernel's own (see model.cu), 7 its output stored. `ticket` counts the decode kernels run since
-/// the program started. Synchronous; call between steps.
+/// the last `steps` decode steps: step i (0..steps-1) of them sits at [(first() + i) % steps], its
+/// kernels in step order. clock64 at 0 entry, 1 the wait returned (the embedding has no wait), 2 the
+/// residual row loaded and normalised, 3-6 points of each kernel's own (see model.cu), 7 its output
+/// stored; %globaltimer (ns) at 0, 1 and 7 only (0 elsewhere). `ticket` counts the decode kernels
+/// run since the program started. Synchronous; call between steps.
 struct StepStamps {
   static constexpr int steps = 64;
   unsigned long long time[steps][Model::kernels_per_decode_step][8];

@@ -4,7 +4,6 @@
 // kernels' stamps after each generation (read_stamps) and prints, per kernel, the medians of:
 //   start   entry, relative to the step's first kernel's entry (globaltimer, ns)
 //   wait    the wait returned (same origin)
-//   ready   its residual row loaded and normalised (same origin)
 //   done    its output stored (same origin)
 //   gap     wait returned - previous kernel's output stored (the handoff)
 //   work    done - wait (globaltimer ns and clock64 cycles): the kernel's own critical path
@@ -88,12 +87,12 @@ int main(int argc, char** argv) {
     }
     fmt::print("\n{} mode, {} steps: medians (ns from the first kernel's entry; work also in SM cycles)\n",
                to_string(mode), done);
-    fmt::print("{:<16}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}\n", "kernel", "start", "wait", "ready", "done", "gap",
-               "work", "cycles");
+    fmt::print("{:<16}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}\n", "kernel", "start", "wait", "done", "gap", "work",
+               "cycles");
     for (int k = 0; k < K; ++k)
-      fmt::print("{:<16}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}\n", names[k], median(at[k][0]),
-                 median(at[k][1]), median(at[k][2]), median(at[k][7]), k > 0 ? median(gap[k]) : 0.0,
-                 median(work_ns[k]), median(work_cycles[k]));
+      fmt::print("{:<16}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}{:>8.0f}\n", names[k], median(at[k][0]),
+                 median(at[k][1]), median(at[k][7]), k > 0 ? median(gap[k]) : 0.0, median(work_ns[k]),
+                 median(work_cycles[k]));
     fmt::print("per step: first entry -> last store {:.0f} ns; last store -> next step's first entry {:.0f} ns; "
                "host time per step {:.2f} us\n",
                median(span), median(between), median(host_us));
