@@ -4,7 +4,8 @@
 #   source .deps/tools/env.sh && bash scripts/gpu-nanogpt.sh
 # Stages: build → train (when TRAIN=1 or no weights file exists) → tests → default run → bench
 # (the default settings, then each launch variant: metadata path, PDL off, empty kernels) → parity
-# vs PyTorch → compute-sanitizer memcheck and racecheck. Every stage runs even if an earlier one failed;
+# vs PyTorch → compute-sanitizer memcheck and racecheck (→ with STAMPS=1 the per-kernel timestamps).
+# Every stage runs even if an earlier one failed;
 # logs go to $OUT (default out-nanogpt), summary.txt says what passed.
 #
 # CARRIED_BUILD=dir: use a build directory configured and built on the CPU machine (sm_90, CUDA 13.0)
@@ -100,5 +101,16 @@ stage memcheck_cli 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG"
 stage memcheck_cli_push 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30 --meta push
 stage memcheck_cli_mapped 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$NG" -n 30 --meta mapped
 grep -E "ERROR SUMMARY" "$L/memcheck_cli.log" "$L/memcheck_cli_push.log" "$L/memcheck_cli_mapped.log" >> "$S"
+# STAMPS=1: the per-kernel timestamps (README item 11): a second build with -DNANOGPT_STAMPS=ON and
+# its nanogpt_stamps probe (graph and eager, steps back to back).
+if [ "${STAMPS:-0}" = 1 ]; then
+  stage stamps_configure 120 cmake -S . -B "$B-stamps" -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_BUILD_TYPE=Release -DREPLAY_EXAMPLES="common;nanogpt" -DNANOGPT_STAMPS=ON -DREPLAY_BUILD_TESTS=OFF \
+    -DREPLAY_BUILD_BENCHMARKS=OFF
+  stage stamps_build 300 cmake --build "$B-stamps" -j16 --target nanogpt_stamps
+  stage stamps 120 "$B-stamps/examples/nanogpt/nanogpt_stamps" 2400
+  cp "$L/stamps.log" "$OUT/stamps.txt"
+  grep -E "mode,|per step" "$L/stamps.log" >> "$S"
+fi
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"
 cat "$S"
