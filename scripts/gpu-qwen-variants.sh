@@ -17,7 +17,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     for b in $BINS; do
       for e in ${ENVS:--}; do
       for k in ${KERNELS:-mega}; do
-        n=$(basename "$b"); [ "$e" != - ] && n="$n.$e"
+        n=$(basename "$b"); [ "$e" != - ] && n="$n.${e//=/-}"  # (no '=' in the log's name)
         # shellcheck disable=SC2086  # $e: one VAR=value setting
         env ${e#-} timeout 150 "$b" --preset "$shape" --bench --random-prompt ${PROMPT:-16} --gen 128 --bench-batches 1 \
           --kv-mem-mb $kv --kernels "$k" ${EXTRA:-} >"$out/var_${shape}_${n}_${k}_${round}.log" 2>&1

@@ -102,8 +102,9 @@ constexpr int kStages = 2 + 2 * C::n_layer;                           // kernels
 // only after the previous one of its step has triggered it, so the tickets follow the step's
 // order), reads clock64 at kStamps points (and %globaltimer at entry, when its wait returned and
 // after its output store) into registers, and at its end stores them under step ticket / kStages
-// (modulo kStampSteps) and stage ticket % kStages. The stores and the clock reads cost little; the
-// ordering branches of NANOGPT_STAMP_AFTER serialise what they stamp.
+// (modulo kStampSteps) and stage ticket % kStages. The stamps cost time themselves (about 2 µs per
+// step on an H200, README item 11): NANOGPT_STAMP_AFTER's ordering branch makes the kernel wait for
+// the value it stamps.
 constexpr int kStamps = 8;  // 0 entry, 1 wait returned, 2 residual row normalised, 3-6 kernel-specific, 7 output stored
 constexpr int kStampSteps = 64;  // the last steps kept
 __device__ unsigned long long g_stamp_time[kStampSteps][kStages][kStamps];
