@@ -341,9 +341,12 @@ __device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last
     score[i] = lane + 32 * i <= last ? dot8(q.a, q.b, kv.k[i][0], kv.k[i][1]) * scale : -INFINITY;
   // Softmax; at least one slot is valid (slot 0 in prefill, this token in decode), so m is finite.
   const float m = fmaxf(warp_max(fmaxf(score[0], score[1])), extra_score);
-  const float p0 = expf(score[0] - m);  // exp(-inf) = 0 for masked slots
-  const float p1 = expf(score[1] - m);
-  const float pe = expf(extra_score - m);
+  // The hardware exponential and reciprocal (MUFU): the arguments are <= 0 and the sum is >= 1,
+  // where they are within a few ulp, and they take a third of the cycles of expf and of an IEEE
+  // division on this chain (measured with the stamps, README item 15).
+  const float p0 = __expf(score[0] - m);  // exp(-inf) = 0 for masked slots
+  const float p1 = __expf(score[1] - m);
+  const float pe = __expf(extra_score - m);
   // One butterfly for the 9 sums (Σp and Σp·v for the 8 value elements): every lane gets them all.
   const float v0[8] = {kv.v[0][0].x, kv.v[0][0].y, kv.v[0][0].z, kv.v[0][0].w,
                        kv.v[0][1].x, kv.v[0][1].y, kv.v[0][1].z, kv.v[0][1].w};
@@ -357,7 +360,7 @@ __device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last
   for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
     for (int i = 0; i < 9; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
-  const float inv_sum = 1.0f / (acc[8] + pe);
+  const float inv_sum = __fdividef(1.0f, acc[8] + pe);
   Head8 out;
   out.a = make_float4(fmaf(pe, extra_v.a.x, acc[0]) * inv_sum, fmaf(pe, extra_v.a.y, acc[1]) * inv_sum,
                       fmaf(pe, extra_v.a.z, acc[2]) * inv_sum, fmaf(pe, extra_v.a.w, acc[3]) * inv_sum);
@@ -544,55 +547,45 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
-/// Samples a token from 65 logits in shared memory; called by one whole warp, every lane returns it.
-/// Greedy (or temperature <= 0): argmax, lowest index on ties. Otherwise softmax(logits / T) and an
-/// inverse-CDF draw with u = uniform01(seed, seq_len): lane l owns tokens 2l and 2l+1 (lane 31 also
-/// token 64), an inclusive warp scan gives each lane its CDF interval, the lane whose interval holds
-/// u picks within its tokens. Deterministic: the same inputs give the same token on every run.
-__device__ int sample_warp(const float* logits, const StepMeta& m) {
-  const int lane = lane_id();
-  const float a = logits[2 * lane], c = logits[2 * lane + 1];
-  const float e = lane == 31 ? logits[C::vocab_size - 1] : -INFINITY;
-  if (m.greedy != 0 || !(m.temperature > 0.0f)) {
-    float best = a;
-    int idx = 2 * lane;
-    if (c > best) best = c, idx = 2 * lane + 1;
-    if (e > best) best = e, idx = C::vocab_size - 1;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-      if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
-    }
-    return idx;
-  }
-  const float inv_t = 1.0f / m.temperature;
-  const float mx = warp_max(fmaxf(fmaxf(a, c), e));
-  const float pa = expf((a - mx) * inv_t);
-  const float pc = expf((c - mx) * inv_t);
-  const float pe = lane == 31 ? expf((e - mx) * inv_t) : 0.0f;
-  float incl = pa + pc + pe;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float t = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += t;
-  }
-  float excl = __shfl_up_sync(0xffffffffu, incl, 1);
-  if (lane == 0) excl = 0.0f;
-  const float total = __shfl_sync(0xffffffffu, incl, 31);
-  const float u = replay_examples::uniform01(m.seed, static_cast<std::uint64_t>(m.seq_len)) * total;
-  const unsigned hit = __ballot_sync(0xffffffffu, u >= excl && u < incl);
-  // u == total can only happen by rounding: fall back to the last lane with probability mass.
-  const int owner = hit != 0 ? __ffs(hit) - 1 : 31 - __clz(__ballot_sync(0xffffffffu, incl > excl));
-  int idx;  // meaningful in the owner lane: which of its tokens holds u
-  if (u < excl + pa) idx = 2 * lane;
-  else if (lane != 31 || u < excl + pa + pc) idx = 2 * lane + 1;
-  else idx = C::vocab_size - 1;
-  return __shfl_sync(0xffffffffu, idx, owner);
+/// Sampling by the Gumbel-max trick: the token is argmax_t (logit_t / T + g_t) with independent
+/// Gumbel noise g_t = -log(-log(u_t)), which draws exactly from softmax(logits / T). u_t is uniform
+/// in (0, 1), a pure function of (seed, seq_len, t) (common/rng.hpp), so the noise is drawn before
+/// the kernel waits for its input, and after the wait the draw is one argmax: no maximum, no
+/// exponentials and no scan on the critical path. Greedy (or temperature <= 0): g = 0, T = 1, i.e.
+/// the argmax of the logits. Deterministic: the same inputs give the same token on every run.
+__device__ __forceinline__ float gumbel_noise(const StepMeta& m, int t) {
+  const std::uint64_t bits =
+      replay_examples::random_bits(m.seed, static_cast<std::uint64_t>(m.seq_len) * C::vocab_size + t);
+  const float u = (static_cast<float>(bits >> 41) + 0.5f) * (1.0f / 8388608.0f);  // [2^-24, 1 - 2^-24]
+  return -logf(-logf(u));
 }
 
-/// Last kernel of a step: logits = lm_head(LN_f(x[last row])), then sampling; the token goes
-/// straight to pinned host memory (no copy node), the logits to b.logits. Thread t computes logit t.
+/// The index of the largest `key` over the block (thread t offers key for index t), lowest index on
+/// ties. Called by all threads (one barrier); the result is meaningful in thread 0.
+__device__ __forceinline__ int argmax_block(float key) {
+  __shared__ float warp_key[kWarps];
+  __shared__ int warp_idx[kWarps];
+  float best = key;
+  int idx = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+  }
+  if (lane_id() == 0) warp_key[warp_id()] = best, warp_idx[warp_id()] = idx;
+  __syncthreads();
+  best = warp_key[0];
+  idx = warp_idx[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w)
+    if (warp_key[w] > best) best = warp_key[w], idx = warp_idx[w];  // later warps hold higher indices
+  return idx;
+}
+
+/// Last kernel of a step: logits = lm_head(LN_f(x[last row])), then sampling (Gumbel-max, above);
+/// the token goes straight to pinned host memory (no copy node), the logits to b.logits. Thread t
+/// computes logit t.
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* lnf_w, const float* lnf_b,
                                                                   const float* head_w, const float* head_b,
@@ -603,6 +596,9 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
   const StepMeta m = load_meta(meta);
+  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
+  const float inv_t = greedy ? 1.0f : 1.0f / m.temperature;
+  const float noise = greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
   pdl_wait();
   NANOGPT_STAMP_TIME(1);
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
@@ -611,20 +607,13 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   NANOGPT_STAMP_AFTER(2, rstd);
   const float logit = norm_linear(w, x, rstd);
   NANOGPT_STAMP_AFTER(3, logit);
-  __shared__ float logits[C::vocab_size];
-  if (t < C::vocab_size) {
-    logits[t] = logit;
-    b.logits[t] = logit;
-  }
-  __syncthreads();
+  if (t < C::vocab_size) b.logits[t] = logit;
+  const int token = argmax_block(t < C::vocab_size ? fmaf(logit, inv_t, noise) : -INFINITY);
   NANOGPT_STAMP(4);
-  if (warp_id() == 0) {
-    const int token = sample_warp(logits, m);
+  if (t == 0) {
     NANOGPT_STAMP_AFTER(5, __int_as_float(token));
-    if (lane_id() == 0) {
-      *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
-      advance_meta(b.advance, m, token);
-    }
+    *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+    advance_meta(b.advance, m, token);
   }
   NANOGPT_STAMP_TIME(7);
   NANOGPT_STAMPS_END(P == Phase::decode);
