@@ -327,32 +327,15 @@ struct Head8 {
   float4 a, b;
 };
 
-/// Causal attention of one head for one query q: softmax over the scores of the cache slots 0..last
-/// held in `kv` (slot lane + 32 i in lane `lane`; slots after `last` are masked exactly like the
-/// seed's `kv_indices <= cache_pos`: score -inf, weight 0, whatever they hold) plus one extra slot every lane holds (decode:
-/// this token's own key and value, whose score is `extra_score`; prefill: extra_score = -inf).
-/// Called by a whole warp; every lane gets the head's 8 outputs.
-__device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last, float extra_score, Head8 extra_v) {
-  const int lane = lane_id();
-  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
-  float score[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-    score[i] = lane + 32 * i <= last ? dot8(q.a, q.b, kv.k[i][0], kv.k[i][1]) * scale : -INFINITY;
-  // Softmax; at least one slot is valid (slot 0 in prefill, this token in decode), so m is finite.
-  const float m = fmaxf(warp_max(fmaxf(score[0], score[1])), extra_score);
-  // The hardware exponential and reciprocal (MUFU): the arguments are <= 0 and the sum is >= 1,
-  // where they are within a few ulp, and they take a third of the cycles of expf and of an IEEE
-  // division on this chain (measured with the stamps, README item 15).
-  const float p0 = __expf(score[0] - m);  // exp(-inf) = 0 for masked slots
-  const float p1 = __expf(score[1] - m);
-  const float pe = __expf(extra_score - m);
-  // One butterfly for the 9 sums (Σp and Σp·v for the 8 value elements): every lane gets them all.
+/// The 9 sums of a head's softmax over its 64 cache slots for the weights p0, p1 of this lane's slots
+/// lane and lane + 32 in `kv`: Σp·v for the 8 value elements and Σp (acc[8]), in one butterfly.
+/// Every lane gets bit-identical sums (each level adds a pair in either order), so branches on them
+/// are warp-uniform.
+__device__ __forceinline__ void weighted_sums(float p0, float p1, const KvRows& kv, float acc[9]) {
   const float v0[8] = {kv.v[0][0].x, kv.v[0][0].y, kv.v[0][0].z, kv.v[0][0].w,
                        kv.v[0][1].x, kv.v[0][1].y, kv.v[0][1].z, kv.v[0][1].w};
   const float v1[8] = {kv.v[1][0].x, kv.v[1][0].y, kv.v[1][0].z, kv.v[1][0].w,
                        kv.v[1][1].x, kv.v[1][1].y, kv.v[1][1].z, kv.v[1][1].w};
-  float acc[9];
   acc[8] = p0 + p1;
 #pragma unroll
   for (int d = 0; d < 8; ++d) acc[d] = fmaf(p0, v0[d], p1 * v1[d]);
@@ -360,7 +343,40 @@ __device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last
   for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
     for (int i = 0; i < 9; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
-  const float inv_sum = __fdividef(1.0f, acc[8] + pe);
+}
+
+/// Causal attention of one head for one query q: softmax over the scores of the cache slots 0..last
+/// held in `kv` (slot lane + 32 i in lane `lane`; slots after `last` are masked exactly like the
+/// seed's `kv_indices <= cache_pos`: score -inf, weight 0, whatever they hold) plus one extra slot
+/// every lane holds (decode: this token's own key and value, whose score is `extra_score`; prefill:
+/// extra_score = -inf). Called by a whole warp; every lane gets the head's 8 outputs.
+///
+/// The weights are first exp(score) unshifted, so that no maximum has to be reduced across the warp
+/// before the butterfly (5 dependent shuffles). Where the sum of the weights lies in [2^-60, 2^60] no
+/// weight overflows and any weight that underflows is below 2^-66 of the sum, so the result is the
+/// softmax's up to rounding; outside it (a score beyond about ±41) the head is recomputed shifted by
+/// the maximum score, as PyTorch's softmax. The exponential and the reciprocal are the hardware's
+/// (MUFU: within a few ulp, a third of the cycles of expf and of an IEEE division on this chain;
+/// README items 15 and 16). Same inputs, same branch: eager and graph stay bit-identical.
+__device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last, float extra_score, Head8 extra_v) {
+  const int lane = lane_id();
+  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
+  float score[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    score[i] = lane + 32 * i <= last ? dot8(q.a, q.b, kv.k[i][0], kv.k[i][1]) * scale : -INFINITY;
+  float pe = __expf(extra_score);  // exp(-inf) = 0 for masked slots and for prefill's extra slot
+  float acc[9];
+  weighted_sums(__expf(score[0]), __expf(score[1]), kv, acc);
+  float sum = acc[8] + pe;
+  if (!(sum >= 0x1p-60f && sum <= 0x1p60f)) {
+    // At least one slot is valid (slot 0 in prefill, this token in decode), so m is finite.
+    const float m = fmaxf(warp_max(fmaxf(score[0], score[1])), extra_score);
+    pe = __expf(extra_score - m);
+    weighted_sums(__expf(score[0] - m), __expf(score[1] - m), kv, acc);
+    sum = acc[8] + pe;
+  }
+  const float inv_sum = __fdividef(1.0f, sum);
   Head8 out;
   out.a = make_float4(fmaf(pe, extra_v.a.x, acc[0]) * inv_sum, fmaf(pe, extra_v.a.y, acc[1]) * inv_sum,
                       fmaf(pe, extra_v.a.z, acc[2]) * inv_sum, fmaf(pe, extra_v.a.w, acc[3]) * inv_sum);

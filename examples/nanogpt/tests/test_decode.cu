@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,8 +37,10 @@ Weights spicy_weights(std::uint64_t seed) {
   return w;
 }
 
-/// Full causal forward of the seed's model in double precision: logits of every position.
-std::vector<std::vector<double>> reference_logits(const Weights& w, const std::vector<std::int32_t>& tokens) {
+/// Full causal forward of the seed's model in double precision: logits of every position. With
+/// `max_score`, also the largest attention score magnitude (after the 1/sqrt(head_size) scale).
+std::vector<std::vector<double>> reference_logits(const Weights& w, const std::vector<std::int32_t>& tokens,
+                                                  double* max_score = nullptr) {
   const int T = static_cast<int>(tokens.size()), E = C::n_embd, H = C::n_head, D = C::head_size;
   const auto t = [&](const std::string& name) { return w.tensor(name); };
   std::vector<std::vector<double>> x(T, std::vector<double>(E));
@@ -78,6 +81,7 @@ std::vector<std::vector<double>> reference_logits(const Weights& w, const std::v
           for (int k = 0; k < D; ++k) d += qkv[i][h * D + k] * qkv[j][E + h * D + k];
           s[j] = d / std::sqrt(static_cast<double>(D));
           mx = std::max(mx, s[j]);
+          if (max_score) *max_score = std::max(*max_score, std::abs(s[j]));
         }
         double sum = 0;
         for (auto& v : s) sum += (v = std::exp(v - mx));
@@ -151,6 +155,46 @@ TEST_CASE("logits of prefill and of eager and graph decode steps match a CPU ref
       (void)model.prefill(tokens, {});
       CHECK(max_abs_diff(model.logits(), ref.back()) < 1e-4);
     }
+  }
+}
+
+TEST_CASE("attention scores too large for unshifted exponentials take the shifted path") {
+  // The decode and prefill attention weigh the slots with exp(score) unshifted while the sum of the
+  // weights stays in [2^-60, 2^60] (scores within about ±41) and recompute a head shifted by its
+  // maximum otherwise. Query and key weights 8 times larger make many heads' scores far larger.
+  // With scores past 100, fp32 rounding of the scores alone moves the softmax weights by about
+  // 1e-4 relative, so the bound here is 1e-3 of the logits' magnitude: what it catches is an
+  // overflow (inf or NaN) or a wrong normalisation, which are off by orders of magnitude.
+  Weights w = spicy_weights(5);
+  for (int l = 0; l < C::n_layer; ++l) {
+    const auto& spec = [&] {
+      for (const auto& s : tensor_specs())
+        if (s.name == fmt::format("blocks.{}.sa.qkv.weight", l)) return s;
+      throw std::logic_error("no qkv tensor");
+    }();
+    for (std::size_t k = 0; k < 2 * C::n_embd * C::n_embd; ++k) w.data[spec.offset + k] *= 8.0f;  // q and k rows
+  }
+  const auto tokens = encode("To be, or not to be, that is the question:");
+  double max_score = 0;
+  const auto ref = reference_logits(w, tokens, &max_score);
+  REQUIRE(max_score > 100.0);  // far outside the unshifted range
+  for (Mode mode : {Mode::eager, Mode::graph}) {
+    CAPTURE(to_string(mode));
+    Model model(w);
+    const int k = 4;
+    (void)model.prefill(std::span<const std::int32_t>(tokens.data(), k), {});
+    double scale = 1;
+    for (double v : ref[k - 1]) scale = std::max(scale, std::abs(v));
+    CHECK(max_abs_diff(model.logits(), ref[k - 1]) < 1e-3 * scale);
+    if (mode == Mode::graph) model.capture_decode_graph();
+    double worst = 0;
+    for (int pos = k; pos < static_cast<int>(tokens.size()); ++pos) {
+      (void)model.decode_step(tokens[pos], pos, {}, mode);
+      double s = 1;
+      for (double v : ref[pos]) s = std::max(s, std::abs(v));
+      worst = std::max(worst, max_abs_diff(model.logits(), ref[pos]) / s);
+    }
+    CHECK(worst < 1e-3);
   }
 }
 
