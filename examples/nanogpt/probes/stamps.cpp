@@ -11,6 +11,8 @@
 // each marks), and per step: first entry -> last store, last store -> the next step's first entry
 // (token to the host, the next launch), and the host's time per step.
 // Usage: nanogpt_stamps [steps] [weights.safetensors]
+#include "common/report.hpp"
+#include "common/timing.hpp"
 #include "nanogpt/model.hpp"
 #include "nanogpt/weights.hpp"
 
@@ -18,21 +20,13 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
-namespace {
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-}  // namespace
-
 int main(int argc, char** argv) {
   using namespace nanogpt;
+  using replay_examples::median;
   const int steps = argc > 1 ? std::stoi(argv[1]) : 2000;
   const Weights weights = argc > 2 ? load_weights(argv[2]) : random_weights(7);
   constexpr int K = Model::kernels_per_decode_step;
@@ -53,9 +47,9 @@ int main(int argc, char** argv) {
       if (mode == Mode::graph && !model.has_graph()) model.capture_decode_graph();
       const int n = std::min(kGen, steps - done);
       for (int i = 0; i < n; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
+        const replay_examples::stopwatch sw;
         token = model.decode_step(token, 8 + i, sampling, mode);
-        host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+        host_us.push_back(sw.elapsed_us());
       }
       done += n;
       const auto s = std::make_unique<StepStamps>(read_stamps());
