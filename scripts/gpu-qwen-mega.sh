@@ -34,12 +34,17 @@ racecheck_one() {  # NAME ENV... -- ARGS...
 # QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue their bulk copies one at a time, which racecheck
 # follows; the default (lanes together) is the same protocol, whose reports racecheck attributes to
 # the wrong lane (mega.cu's header, probes/raceprobe.cu): run once for the record.
+# RACE_CASES: the cases to run (default: all five).
 racecheck_all() {
-  racecheck_one mma QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 12 --gen 6
-  racecheck_one fma QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 12 --gen 6 --mega-fma
-  racecheck_one piece2560 QWEN_MEGA_SERIAL_ISSUE=1 QWEN_MEGA_PIECE=2560 -- --random-prompt 12 --gen 6
-  racecheck_one split QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 130 --gen 6 --mega-attn-chunk 64
-  racecheck_one mma_lanes_together -- --random-prompt 12 --gen 6
+  local cases=" ${RACE_CASES:-mma fma piece2560 split mma_lanes_together} "
+  [[ $cases == *" mma "* ]] && racecheck_one mma QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 12 --gen 6
+  [[ $cases == *" fma "* ]] && racecheck_one fma QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 12 --gen 6 --mega-fma
+  [[ $cases == *" piece2560 "* ]] &&
+    racecheck_one piece2560 QWEN_MEGA_SERIAL_ISSUE=1 QWEN_MEGA_PIECE=2560 -- --random-prompt 12 --gen 6
+  [[ $cases == *" split "* ]] &&
+    racecheck_one split QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 130 --gen 6 --mega-attn-chunk 64
+  [[ $cases == *" mma_lanes_together "* ]] && racecheck_one mma_lanes_together -- --random-prompt 12 --gen 6
+  return 0
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in $stages; do

@@ -3,8 +3,8 @@
 // Block = 8 consumer warps + 1 producer warp, one block per SM. Shared memory: per consumer warp a
 // ring of `slots` slots (MegaParams::piece weights each, 4-6 KiB), then a work area used either by a
 // GEMV phase (the staged input x as bf16, and the fp32 residual row the RMSNorm reads) or by an
-// attention item (q, the cross-warp softmax state, the new K/V). Attention items are (kv head, up to
-// 2 of its query heads, chunk of the context), each on its own block; with several chunks each writes
+// attention item (q, the cross-warp softmax state, the new K/V). Attention items are (kv head, one
+// of its query heads, chunk of the context), each on its own block; with several chunks each writes
 // its partial state, then merges its share of the outputs from all of them (attention_combine).
 //
 // Per GEMV phase a consumer warp owns the contiguous rows [g N / GW, (g + 1) N / GW) (g: the warp's
@@ -697,7 +697,10 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
   constexpr int E = D / 64;
   constexpr int DPL = D / 8;
   constexpr int NV = DPL / 8;
-  constexpr int T = 2;
+  // Iterations of 4 positions per warp whose K/V a warp holds in registers: the first T are loaded
+  // before the item waits for its q/k/v (positions of earlier steps). 3 (96 positions before the
+  // wait) against 2: 0.6B -1.5%, 4B unchanged (H100); 4 measured the same as 3.
+  constexpr int T = 3;
   const KvPool& kv = p.kv;
   const int pos = st.pos;
   const int seq_len = pos + 1;
@@ -885,9 +888,12 @@ __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, i
   st.mark(phase_att(l), 2);
 }
 
-/// Query heads per attention item: at most 2 (with 4 or more per kv head, a kv head's heads are split
-/// over items: attention's registers then fit the 128 a 16-warp block allows).
-constexpr int attention_heads(int G) { return G < 2 ? G : 2; }
+/// Query heads per attention item: one. An item's block then stages one query head, and each
+/// position costs its warps one head's dot product and softmax update; the kv head's K/V are read
+/// by each of its items (from L2). Items of one head against two (H100, graph TPOT, two rounds):
+/// 0.6B -4.5%, 4B -1.7%; with 3 iterations prefetched (attention_phase's T) 0.6B -6%, while 2 heads
+/// with 3 iterations were slower than 2 (0.6B +3%: registers).
+constexpr int attention_heads(int) { return 1; }
 
 template <int D, int G>
 std::size_t attention_scratch() {

@@ -31,10 +31,10 @@
 // arithmetic (x rounded to bf16, the same per-lane FMA order as the pipelined and ring GEMVs), and
 // with the same attention code path and split the logits are bit-identical to the `ring` kernels'.
 //
-// Attention is split over blocks: an item is (kv head, up to 2 of its query heads, chunk of the
+// Attention is split over blocks: an item is (kv head, one of its query heads, chunk of the
 // context), with chunks of at least attn_min_chunk positions and at most attn_splits of them (by
 // default 128 positions, the per-matrix kernel's minimum, and as many chunks as there are blocks
-// per head group). Each chunk's block writes its partial softmax state as tagged words, then merges
+// per query head). Each chunk's block writes its partial softmax state as tagged words, then merges
 // its share of the outputs from every chunk's state. The merge is a second handoff (~3 us on an
 // H200), worth it only past two passes of 64 positions (docs/perf-notes.md, eighth round). With the
 // per-matrix kernel's splits and minimum chunk the chunks and the merge are its split-KV's.
