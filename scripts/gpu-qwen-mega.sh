@@ -34,7 +34,8 @@ racecheck_one() {  # NAME ENV... -- ARGS...
 # QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue their bulk copies one at a time, which racecheck
 # follows; the default (lanes together) is the same protocol, whose reports racecheck attributes to
 # the wrong lane (mega.cu's header, probes/raceprobe.cu): run once for the record.
-# RACE_CASES: the cases to run (default: all five).
+# RACE_CASES: the cases to run (default: the first five; `pairs`: split attention with items of two
+# query heads).
 racecheck_all() {
   local cases=" ${RACE_CASES:-mma fma piece2560 split mma_lanes_together} "
   [[ $cases == *" mma "* ]] && racecheck_one mma QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 12 --gen 6
@@ -44,6 +45,8 @@ racecheck_all() {
   [[ $cases == *" split "* ]] &&
     racecheck_one split QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 130 --gen 6 --mega-attn-chunk 64
   [[ $cases == *" mma_lanes_together "* ]] && racecheck_one mma_lanes_together -- --random-prompt 12 --gen 6
+  [[ $cases == *" pairs "* ]] &&
+    racecheck_one pairs QWEN_MEGA_SERIAL_ISSUE=1 -- --random-prompt 130 --gen 6 --mega-attn-chunk 64 --mega-attn-heads 2
   return 0
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -227,6 +227,7 @@ int main(int argc, char** argv) {
   int stream_tile_kb = env_int("QWEN_STREAM_TILE_KB", EngineOptions{}.stream_tile_bytes / 1024);
   int stream_slots = env_int("QWEN_STREAM_SLOTS", EngineOptions{}.stream_max_slots);
   int mega_attn_splits = EngineOptions{}.mega_attn_splits, mega_attn_chunk = EngineOptions{}.mega_attn_min_chunk;
+  int mega_attn_heads = EngineOptions{}.mega_attn_heads;
   std::uint64_t seed = 1234;
   app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny (random weights)");
   app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
@@ -261,7 +262,11 @@ int main(int argc, char** argv) {
                  "streaming kernel: weight KiB per work item, about (default: $QWEN_STREAM_TILE_KB or 40)");
   app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most, 2..8 (default: $QWEN_STREAM_SLOTS or 8)");
   app.add_option("--mega-attn-splits", mega_attn_splits,
-                 "persistent kernel: attention chunks per context at most, 1..32 (default 0: blocks per head group)");
+                 "persistent kernel: attention chunks per context at most for items of one query head, 1..32 "
+                 "(default 0: blocks per query head); items of two query heads get twice as many");
+  app.add_option("--mega-attn-heads", mega_attn_heads,
+                 "persistent kernel: query heads per attention item, 1 or 2 (default 0: 1, or 2 where that splits a "
+                 "long context into more chunks)");
   app.add_option("--mega-attn-chunk", mega_attn_chunk,
                  "persistent kernel: positions per attention chunk at least, a multiple of 64 (default 128)");
   app.add_flag("--mega-fma", mega_fma,
@@ -296,6 +301,7 @@ int main(int argc, char** argv) {
     opt.stream_max_slots = stream_slots;
     opt.mega_attn_splits = mega_attn_splits;
     opt.mega_attn_min_chunk = mega_attn_chunk;
+    opt.mega_attn_heads = mega_attn_heads;
     opt.mega_mma = !mega_fma;
     opt.stream_trace = env_int("QWEN_STREAM_TRACE", 0) != 0;
 

@@ -674,37 +674,39 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
 struct AttnChunks {
   int chunk, chunks;
 };
-__device__ __forceinline__ AttnChunks attn_chunks(const MegaParams& p, int seq_len) {
-  if (p.attn_splits <= 1) return {seq_len, 1};
-  const int even = (seq_len + p.attn_splits - 1) / p.attn_splits;
-  const int chunk = max(p.attn_min_chunk, (even + 63) / 64 * 64);
+__device__ __forceinline__ AttnChunks attn_chunks(int splits, int min_chunk, int seq_len) {
+  if (splits <= 1) return {seq_len, 1};
+  const int even = (seq_len + splits - 1) / splits;
+  const int chunk = max(min_chunk, (even + 63) / 64 * 64);
   return {chunk, (seq_len + chunk - 1) / chunk};
 }
-/// Split attention's partial state of query head hq, chunk c: {max, sum, unnormalised output[D]}.
+/// Split attention's partial state of query head hq (of a group of group_size), chunk c: {max, sum,
+/// unnormalised output[D]}.
 template <int D>
-__device__ __forceinline__ unsigned long long* attn_part(const MegaParams& p, int hq, int c) {
-  return p.attn_part + (std::size_t(hq) * p.attn_splits + c) * (D + 2);
+__device__ __forceinline__ unsigned long long* attn_part(const MegaParams& p, int group_size, int hq, int c) {
+  return p.attn_part + (std::size_t(hq) * mega_part_splits(p.attn_splits, group_size) + c) * (D + 2);
 }
 
 /// Attention of layer l for kv head kvh, query heads h0 .. h0 + G - 1 of its group (of group_size),
-/// positions of chunk c: the per-matrix attention kernel's decode path (one block's chunk) on warps
-/// 0..7, reading q/k/v as tagged words. With one chunk it writes the output words; otherwise the
-/// chunk's partial state, which attention_combine merges. Each head's softmax is independent, so
-/// splitting a group's heads over items changes no result; the item with h0 = 0 whose chunk holds
-/// position pos writes the new K/V to the pool.
-template <int D, int G>
-__device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, const Step& st) {
+/// positions of chunk c of at most `splits`: the per-matrix attention kernel's decode path (one
+/// block's chunk) on warps 0..7, reading q/k/v as tagged words. With one chunk it writes the output
+/// words; otherwise the chunk's partial state, which attention_combine merges. Each head's softmax is
+/// independent, so splitting a group's heads over items changes no result; the item with h0 = 0
+/// whose chunk holds position pos writes the new K/V to the pool.
+/// T: iterations of 4 positions per warp whose K/V a warp holds in registers; the first T are
+/// loaded before the item waits for its q/k/v (positions of earlier steps). One head per item with
+/// T = 3 (96 positions before the wait) against 2: 0.6B -1.5%, 4B unchanged (H100), T = 4 the same
+/// as 3; two heads per item with T = 3: 0.6B +3% against T = 2 (registers).
+template <int D, int G, int T>
+__device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, int splits,
+                                const Step& st) {
   constexpr int E = D / 64;
   constexpr int DPL = D / 8;
   constexpr int NV = DPL / 8;
-  // Iterations of 4 positions per warp whose K/V a warp holds in registers: the first T are loaded
-  // before the item waits for its q/k/v (positions of earlier steps). 3 (96 positions before the
-  // wait) against 2: 0.6B -1.5%, 4B unchanged (H100); 4 measured the same as 3.
-  constexpr int T = 3;
   const KvPool& kv = p.kv;
   const int pos = st.pos;
   const int seq_len = pos + 1;
-  const AttnChunks ch = attn_chunks(p, seq_len);
+  const AttnChunks ch = attn_chunks(splits, p.attn_min_chunk, seq_len);
   if (c >= ch.chunks) return;  // a short context needs fewer chunks
   const int begin = c * ch.chunk, end = min(seq_len, begin + ch.chunk);
   const bool owns_pos = end == seq_len;
@@ -838,7 +840,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
     if (ch.chunks == 1) {
       st_word(p.attn + hq * D + d, __bfloat162float(__float2bfloat16(A / Ls)), out_tag);
     } else {
-      unsigned long long* part = attn_part<D>(p, hq, c);
+      unsigned long long* part = attn_part<D>(p, group_size, hq, c);
       st_word(part + 2 + d, A, out_tag);
       if (d == 0) st_word(part, mx, out_tag), st_word(part + 1, Ls, out_tag);
     }
@@ -851,8 +853,9 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
 /// block merges every chunk's partial state for its share of the item's G * D outputs (in chunk
 /// order, the per-matrix kernel's combine) and writes those output words.
 template <int D, int G>
-__device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, const Step& st) {
-  const AttnChunks ch = attn_chunks(p, st.pos + 1);
+__device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, int splits,
+                                  const Step& st) {
+  const AttnChunks ch = attn_chunks(splits, p.attn_min_chunk, st.pos + 1);
   const int C = ch.chunks;
   if (C == 1 || c >= C) return;
   const int o0 = row_split(c, G * D, C), no = row_split(c + 1, G * D, C) - o0;
@@ -864,9 +867,9 @@ __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, i
   poll_words(
       nml + C * no, tag,
       [&](int i) -> const unsigned long long* {
-        if (i < nml) return attn_part<D>(p, hq0 + i % (2 * G) / 2, i / (2 * G)) + (i & 1);
+        if (i < nml) return attn_part<D>(p, group_size, hq0 + i % (2 * G) / 2, i / (2 * G)) + (i & 1);
         const int k = i - nml, o = o0 + k % no;
-        return attn_part<D>(p, hq0 + o / D, k / no) + 2 + o % D;
+        return attn_part<D>(p, group_size, hq0 + o / D, k / no) + 2 + o % D;
       },
       [&](int i, float v) {
         if (i < nml) ml[i] = v;
@@ -888,17 +891,32 @@ __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, i
   st.mark(phase_att(l), 2);
 }
 
-/// Query heads per attention item: one. An item's block then stages one query head, and each
-/// position costs its warps one head's dot product and softmax update; the kv head's K/V are read
-/// by each of its items (from L2). Items of one head against two (H100, graph TPOT, two rounds):
-/// 0.6B -4.5%, 4B -1.7%; with 3 iterations prefetched (attention_phase's T) 0.6B -6%, while 2 heads
-/// with 3 iterations were slower than 2 (0.6B +3%: registers).
-constexpr int attention_heads(int) { return 1; }
+/// Attention items: of one query head by default (MegaParams::attn_heads). An item's block then
+/// stages one query head, and each position costs its warps one head's dot product and softmax
+/// update; the kv head's K/V are read by each of its items (from L2). One head against two (H100,
+/// graph TPOT, two rounds): 0.6B -4.5%, 4B -1.7%; with T = 3 0.6B -6% (attention_phase). Where the
+/// chunks of one-head items are capped by attn_splits (a long context), items of two heads get
+/// twice as many chunks on the same blocks: after a 2000-token prompt one-head items alone were
+/// 5% slower (H200).
+constexpr int kSingleT = 2;  // attention_phase's T for one-head items
+constexpr int kPairT = 2;    // and for two-head items
+/// Query heads of a two-head item (1 where a kv head has one query head: no pairs).
+constexpr int pair_heads(int G) { return G < 2 ? 1 : 2; }
+/// Whether this step's attention runs items of two query heads (see MegaParams::attn_heads).
+__device__ __forceinline__ bool attention_pairs(const MegaParams& p, int group, int seq_len) {
+  if (group < 2 || p.attn_heads == 1) return false;
+  if (p.attn_heads == 2) return true;
+  return attn_chunks(mega_pair_splits(p.attn_splits), p.attn_min_chunk, seq_len).chunks >
+         attn_chunks(p.attn_splits, p.attn_min_chunk, seq_len).chunks;
+}
 
+template <int D, int GA>
+constexpr std::size_t attention_scratch_of() {
+  return sizeof(float) * (GA * D + 2 * kAW * GA + kAW * GA * D) + 2 * D * sizeof(bf16);
+}
 template <int D, int G>
 std::size_t attention_scratch() {
-  constexpr int GA = attention_heads(G);
-  return sizeof(float) * (GA * D + 2 * kAW * GA + kAW * GA * D) + 2 * D * sizeof(bf16);
+  return std::max(attention_scratch_of<D, 1>(), attention_scratch_of<D, pair_heads(G)>());
 }
 
 /// The producer warp: lane w < kMW keeps consumer warp w's ring full, the stream's first `slots`
@@ -944,7 +962,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
 /// PW: weights per ring slot, or 0 for MegaParams::piece (a run-time value cost the 0.6B step 1.5%).
 template <int D, int G, bool MMA, int PW>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
-  constexpr int GA = attention_heads(G);
+  constexpr int GP = pair_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long bars[kMW][kMaxRingSlots];   // full
   __shared__ unsigned long long empty[kMW][kMaxRingSlots];  // released by the consumer warp
@@ -1006,26 +1024,40 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
   float best_v = -INFINITY;
   int best_i = 0x7fffffff;
-  // Attention items (head group gi, chunk c), it = gi * splits + c, at most one per block
-  // (mega_geometry): item it runs on block it * grid / items, so a group's chunks sit on
+  // Attention items (head group gi of GA query heads, chunk c), it = gi * splits + c, at most one
+  // per block (mega_geometry): item it runs on block it * grid / items, so a group's chunks sit on
   // neighbouring blocks and the groups spread over the grid. A block writes its item's partial
-  // state before it waits for the other chunks' states.
-  // The item is kept in shared memory ({kv head, first query head, chunk}; kv head -1: none), read
-  // where it is used: three more registers live across the layer loop made ptxas spill.
+  // state before it waits for the other chunks' states. GA (1, or GP for a long context: see
+  // MegaParams::attn_heads) is the step's choice; every block makes the same one.
+  // The item is kept in shared memory ({kv head, first query head, chunk, GA}; kv head -1: none),
+  // read where it is used: three more registers live across the layer loop made ptxas spill.
   {
-    const int items = p.kv.kv_heads * (G / GA) * p.attn_splits;
+    const bool pairs = attention_pairs(p, G, pos + 1);
+    const int GA = pairs ? GP : 1, splits = pairs ? mega_pair_splits(p.attn_splits) : p.attn_splits;
+    const int items = p.kv.kv_heads * (G / GA) * splits;
     const int it = row_split(blockIdx.x, items, gridDim.x);
-    const int gi = it / p.attn_splits;
+    const int gi = it / splits;
     if (tid == 0)
-      item_s = it < row_split(blockIdx.x + 1, items, gridDim.x) ? make_int4(gi / (G / GA), gi % (G / GA) * GA, it % p.attn_splits, 0)
+      item_s = it < row_split(blockIdx.x + 1, items, gridDim.x) ? make_int4(gi / (G / GA), gi % (G / GA) * GA, it % splits, GA)
                                                                  : make_int4(-1, 0, 0, 0);
     consumer_sync();
   }
   for (int l = 0; l < p.num_layers; ++l) {
     gemv_phase<kQkv, MMA, PW>(p, l, st, ring, red, best_v, best_i);
     if (const int4 item = item_s; item.x >= 0) {
-      attention_phase<D, GA>(p, l, item.x, item.y, G, item.z, st);
-      attention_combine<D, GA>(p, l, item.x, item.y, G, item.z, st);
+      bool done = false;
+      if constexpr (GP > 1) {
+        if (item.w == GP) {
+          const int splits = mega_pair_splits(p.attn_splits);
+          attention_phase<D, GP, kPairT>(p, l, item.x, item.y, G, item.z, splits, st);
+          attention_combine<D, GP>(p, l, item.x, item.y, G, item.z, splits, st);
+          done = true;
+        }
+      }
+      if (!done) {
+        attention_phase<D, 1, kSingleT>(p, l, item.x, item.y, G, item.z, p.attn_splits, st);
+        attention_combine<D, 1>(p, l, item.x, item.y, G, item.z, p.attn_splits, st);
+      }
     }
     gemv_phase<kO, MMA, PW>(p, l, st, ring, red, best_v, best_i);
     gemv_phase<kGateUp, MMA, PW>(p, l, st, ring, red, best_v, best_i);
@@ -1092,8 +1124,7 @@ std::size_t scratch(int D, int G) {
 bool mega_supported(int head_dim, int group) { return pick(head_dim, group, false, 2 * kChunk) != nullptr; }
 
 int mega_attention_splits(int kv_heads, int group, int grid) {
-  const int groups = kv_heads * (group / attention_heads(group));
-  return std::clamp(grid / std::max(groups, 1), 1, kMaxAttnSplits);
+  return std::clamp(grid / std::max(kv_heads * group, 1), 1, kMaxAttnSplits);
 }
 
 namespace {
@@ -1124,9 +1155,13 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
     throw replay::usage_error("qwen::mega_geometry: tensor-core rows need matrix widths that are multiples of 256");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
     throw replay::usage_error("qwen::mega_geometry: matrix widths must be multiples of 8");
-  if (p.attn_splits < 1 || p.attn_splits > kMaxAttnSplits || (p.attn_splits > 1 && p.attn_part == nullptr))
+  if (p.attn_splits < 1 || p.attn_splits > kMaxAttnSplits ||
+      (mega_part_splits(p.attn_splits, group) > 1 && p.attn_part == nullptr))
     throw replay::usage_error("qwen::mega_geometry: attention splits must be in 1..kMaxAttnSplits, with partial states");
-  if (p.kv.kv_heads * (group / attention_heads(group)) * p.attn_splits > num_sms)
+  if (p.attn_heads < 0 || p.attn_heads > 2)
+    throw replay::usage_error("qwen::mega_geometry: query heads per attention item must be 0 (auto), 1 or 2");
+  if (p.kv.kv_heads * group * p.attn_splits > num_sms ||
+      (group >= 2 && p.attn_heads != 1 && p.kv.kv_heads * (group / 2) * mega_pair_splits(p.attn_splits) > num_sms))
     throw replay::usage_error(fmt::format("qwen::mega_geometry: {} attention splits give more items than the {} blocks",
                                           p.attn_splits, num_sms));
   if (p.attn_min_chunk < 64 || p.attn_min_chunk % 64 != 0)

@@ -87,12 +87,18 @@ struct MegaParams {
   unsigned long long* qkv = nullptr;   ///< [q_dim + 2 kv_dim] projections (fp32)
   unsigned long long* attn = nullptr;  ///< [q_dim] attention output (bf16-rounded values)
   unsigned long long* act = nullptr;   ///< [intermediate] silu(gate) * up (bf16-rounded values)
-  /// Split attention's partial states, [query heads][attn_splits][head_dim + 2] ({max, sum,
-  /// unnormalised output} per chunk; tagged words).
+  /// Split attention's partial states, [query heads][mega_part_splits(...)][head_dim + 2] ({max,
+  /// sum, unnormalised output} per chunk; tagged words).
   unsigned long long* attn_part = nullptr;
-  int attn_splits = 1;      ///< chunks of a decode context at most (1..kMaxAttnSplits; 1: never split);
-                            ///< items (kv heads x head groups x splits) must not outnumber the blocks
+  /// Chunks of a decode context at most for items of one query head (1..kMaxAttnSplits; 1: never
+  /// split); items of two query heads get mega_pair_splits(attn_splits). Items (query heads / heads
+  /// per item x chunks) must not outnumber the blocks.
+  int attn_splits = 1;
   int attn_min_chunk = 128; ///< positions per chunk at least (a multiple of 64)
+  /// Query heads per attention item (with 2 or more per kv head): 1; 2; or 0: 1, or 2 in a step
+  /// where items of two heads split the context into more chunks (a long context, where
+  /// attn_splits caps the chunks of one-head items).
+  int attn_heads = 0;
   /// GEMV rows on the tensor cores (matrices whose width is a multiple of 256): one MMA per 128
   /// weights instead of 128 FMAs per lane-chunk. 0: the per-matrix kernels' FMA order (bit-identical).
   int mma = 1;
@@ -132,9 +138,14 @@ struct MegaGeometry {
 bool mega_trace_built();
 /// Whether the persistent kernel is built for (head_dim, query heads per kv head).
 bool mega_supported(int head_dim, int group);
-/// Attention's default split: as many chunks per context as there are blocks per attention item
-/// (an item is a kv head and up to 2 of its query heads), at most kMaxAttnSplits.
+/// Attention's default split: as many chunks per context as there are blocks per query head, at most
+/// kMaxAttnSplits (items of one query head; items of two get mega_pair_splits of it).
 int mega_attention_splits(int kv_heads, int group, int grid);
+/// Chunks per context at most for items of two query heads: twice those of one-head items (the same
+/// number of blocks), at most kMaxAttnSplits.
+constexpr int mega_pair_splits(int splits) { return 2 * splits < kMaxAttnSplits ? 2 * splits : kMaxAttnSplits; }
+/// Chunks per query head that MegaParams::attn_part holds (the larger of the two item kinds').
+constexpr int mega_part_splits(int splits, int group) { return group >= 2 ? mega_pair_splits(splits) : splits; }
 /// Chooses the rings (p.piece weights per slot, or with 0 the size among 2048, 2560 and 3072 that keeps
 /// the most weights in flight per warp; as many slots per warp as fit beside the staged activations,
 /// at most max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.

@@ -396,7 +396,9 @@ struct Engine::Impl {
     const int splits = opt.mega_attn_splits > 0
                            ? opt.mega_attn_splits
                            : mega_attention_splits(cfg.num_key_value_heads, cfg.group_size(), num_sms);
-    const std::size_t part_words = splits > 1 ? std::size_t(cfg.num_attention_heads) * splits * (cfg.head_dim + 2) : 0;
+    const int part_splits = mega_part_splits(splits, cfg.group_size());  // (items of two query heads: more)
+    const std::size_t part_words =
+        part_splits > 1 ? std::size_t(cfg.num_attention_heads) * part_splits * (cfg.head_dim + 2) : 0;
     const std::size_t words = std::size_t(H) + cfg.qkv_dim() + Q + I + part_words;
     mega_words = replay::device_buffer<unsigned long long>(words);
     REPLAY_CHECK(cudaMemset(mega_words.data(), 0, mega_words.size_bytes()));  // tag 0: never a step's tag
@@ -418,6 +420,7 @@ struct Engine::Impl {
     p.attn_part = part_words > 0 ? p.act + I : nullptr;
     p.attn_splits = splits;
     p.attn_min_chunk = opt.mega_attn_min_chunk;
+    p.attn_heads = opt.mega_attn_heads;
     // Tensor-core rows need every matrix width to be a multiple of 256 (else the FMA rows).
     p.mma = opt.mega_mma && H % 256 == 0 && Q % 256 == 0 && I % 256 == 0 ? 1 : 0;
     p.logits = logits.data();
@@ -545,8 +548,11 @@ struct Engine::Impl {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
     if (opt.kernels == decode_kernels::mega)
       return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB, "
-                                       "attention in up to {} chunks of at least {} positions, rows on {}; other buckets: ring)",
+                                       "attention items of {} in up to {} chunks of at least {} positions, rows on {}; other buckets: ring)",
                                        mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0,
+                                       cfg.group_size() < 2 || mega.attn_heads == 1 ? "1 query head"
+                                       : mega.attn_heads == 2                       ? "2 query heads"
+                                                                                    : "1 query head (2 where that splits a long context finer)",
                                        mega.attn_splits, mega.attn_min_chunk, mega.mma != 0 ? "tensor cores" : "FMAs")
                      : s + fmt::format(" ({}: ring kernels)", mega_off_reason.empty()
                                                                   ? std::string("shape not supported by the persistent kernel")

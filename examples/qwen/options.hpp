@@ -65,7 +65,8 @@ struct EngineOptions {
   int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
   int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
   bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
-  int mega_attn_splits = 0;                  ///< persistent kernel: attention chunks per context at most (0: as many as blocks per head group; 1..32)
+  int mega_attn_splits = 0;                  ///< persistent kernel: attention chunks per context at most for items of one query head (0: as many as blocks per query head; 1..32); items of two get twice as many
+  int mega_attn_heads = 0;                   ///< persistent kernel: query heads per attention item (0: 1, or 2 where that splits a long context finer; 1; 2)
   int mega_attn_min_chunk = 128;             ///< persistent kernel: positions per attention chunk at least (multiple of 64)
   bool mega_mma = true;                      ///< persistent kernel: GEMV rows on the tensor cores (false: the per-matrix kernels' FMA order)
 
@@ -88,6 +89,7 @@ struct EngineOptions {
       throw input_error("streaming tile must be in 1..160 KiB");
     if (stream_max_slots < 2 || stream_max_slots > 8) throw input_error("streaming slots must be in 2..8");
     if (mega_attn_splits < 0 || mega_attn_splits > 32) throw input_error("attention splits must be in 0..32");
+    if (mega_attn_heads < 0 || mega_attn_heads > 2) throw input_error("query heads per attention item must be 0, 1 or 2");
     if (mega_attn_min_chunk < 64 || mega_attn_min_chunk % 64 != 0)
       throw input_error("attention's minimum chunk must be a positive multiple of 64");
     const std::int64_t nb = kv_blocks(c);

@@ -344,6 +344,47 @@ TEST_CASE("the persistent kernel's split attention: bit-identical to the per-mat
   }
 }
 
+TEST_CASE("the persistent kernel's attention items of two query heads compute what items of one compute") {
+  // Items of two query heads (a long context: MegaParams::attn_heads) get twice the chunks of
+  // one-head items on the same blocks. With the same chunks the arithmetic is the same: pairs
+  // forced with 2 splits (4 chunks at most), one-head items with 4, and the default choice with 2
+  // (one-head items at 130 positions, where pairs give no more chunks; pairs at 300 and 700) give
+  // bit-identical logits, eager and graph.
+  for (const Config& cfg : {preset("tiny"), tiny_hd128_g4()}) {
+    CAPTURE(cfg.name);
+    EngineOptions o = small_opts(parse_variant("ring"));
+    o.max_context = 1024;
+    o.kv_budget_bytes = 128ull << 20;
+    o.kernels = decode_kernels::mega;
+    o.mega_mma = false;
+    EngineOptions op = o, oa = o, os = o;
+    op.mega_attn_splits = 2, op.mega_attn_heads = 2;
+    oa.mega_attn_splits = 2, oa.mega_attn_heads = 0;
+    os.mega_attn_splits = 4, os.mega_attn_heads = 1;
+    Engine pairs(cfg, op, nullptr), chosen(cfg, oa, nullptr), singles(cfg, os, nullptr);
+    for (Engine* e : {&pairs, &chosen, &singles}) {
+      MESSAGE(e->describe_kernels());
+      REQUIRE(e->describe_kernels().find("one launch") != std::string::npos);
+    }
+    const int V = cfg.vocab_size;
+    for (int len : {130, 300, 700}) {
+      CAPTURE(len);
+      const std::vector<std::vector<int>> prompts{prompt_of(len, 90 + len, V)};
+      for (bool graph : {false, true}) {
+        CAPTURE(graph);
+        std::vector<float> ls, lp, la;
+        const auto ts = generate(singles, prompts, 10, graph, &ls);
+        const auto tp = generate(pairs, prompts, 10, graph, &lp);
+        const auto ta = generate(chosen, prompts, 10, graph, &la);
+        CHECK(ts == tp);
+        CHECK(ts == ta);
+        CHECK(differing(ls, lp) == 0);
+        CHECK(differing(ls, la) == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("the default kernels: the persistent kernel for bucket 1 where it can run, else the ring kernels") {
   CHECK(EngineOptions{}.kernels == decode_kernels::mega);
   int dev = 0, sms = 0;
