@@ -191,6 +191,11 @@ TEST_CASE("request checks happen before GPU work") {
   o.max_context = 64;
   o.kv_budget_bytes = 100;
   CHECK(contains(error_of([&] { o.validate(c); }), "at least 2 are needed"));
+  o.kv_budget_bytes = static_cast<std::size_t>(kv_block_bytes(c, 16)) * 9;
+  o.mega_attn_heads = 3;
+  CHECK(contains(error_of([&] { o.validate(c); }), "query heads per attention item must be 0, 1 or 2"));
+  o.mega_attn_heads = 2;
+  CHECK(error_of([&] { o.validate(c); }).empty());
 }
 
 TEST_CASE("weights are checked against the config") {
