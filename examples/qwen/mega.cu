@@ -694,9 +694,7 @@ __device__ __forceinline__ unsigned long long* attn_part(const MegaParams& p, in
 /// independent, so splitting a group's heads over items changes no result; the item with h0 = 0
 /// whose chunk holds position pos writes the new K/V to the pool.
 /// T: iterations of 4 positions per warp whose K/V a warp holds in registers; the first T are
-/// loaded before the item waits for its q/k/v (positions of earlier steps). One head per item with
-/// T = 3 (96 positions before the wait) against 2: 0.6B -1.5%, 4B unchanged (H100), T = 4 the same
-/// as 3; two heads per item with T = 3: 0.6B +3% against T = 2 (registers).
+/// loaded before the item waits for its q/k/v (positions of earlier steps). See kSingleT.
 template <int D, int G, int T>
 __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int group_size, int c, int splits,
                                 const Step& st) {
@@ -894,12 +892,15 @@ __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, i
 /// Attention items: of one query head by default (MegaParams::attn_heads). An item's block then
 /// stages one query head, and each position costs its warps one head's dot product and softmax
 /// update; the kv head's K/V are read by each of its items (from L2). One head against two (H100,
-/// graph TPOT, two rounds): 0.6B -4.5%, 4B -1.7%; with T = 3 0.6B -6% (attention_phase). Where the
-/// chunks of one-head items are capped by attn_splits (a long context), items of two heads get
-/// twice as many chunks on the same blocks: after a 2000-token prompt one-head items alone were
-/// 5% slower (H200).
-constexpr int kSingleT = 2;  // attention_phase's T for one-head items
-constexpr int kPairT = 2;    // and for two-head items
+/// graph TPOT, two rounds): 0.6B -4.5%, 4B -1.7%. Where the chunks of one-head items are capped by
+/// attn_splits (a long context), items of two heads get twice as many chunks on the same blocks:
+/// after a 2000-token prompt one-head items alone were 5% slower (H200). docs/perf-notes.md,
+/// thirteenth round.
+/// attention_phase's T for each kind. A kernel with one-head items only was 1.5% faster on 0.6B with
+/// T = 3 (4 measured the same as 3), but the kernel's registers cover both kinds, and with T = 3 on
+/// either the whole step got slower (GEMV phases included): T = 2 for both.
+constexpr int kSingleT = 2;
+constexpr int kPairT = 2;
 /// Query heads of a two-head item (1 where a kv head has one query head: no pairs).
 constexpr int pair_heads(int G) { return G < 2 ? 1 : 2; }
 /// Whether this step's attention runs items of two query heads (see MegaParams::attn_heads).
@@ -1160,8 +1161,9 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
     throw replay::usage_error("qwen::mega_geometry: attention splits must be in 1..kMaxAttnSplits, with partial states");
   if (p.attn_heads < 0 || p.attn_heads > 2)
     throw replay::usage_error("qwen::mega_geometry: query heads per attention item must be 0 (auto), 1 or 2");
-  if (p.kv.kv_heads * group * p.attn_splits > num_sms ||
-      (group >= 2 && p.attn_heads != 1 && p.kv.kv_heads * (group / 2) * mega_pair_splits(p.attn_splits) > num_sms))
+  const bool singles = group < 2 || p.attn_heads != 2, pairs = group >= 2 && p.attn_heads != 1;
+  if ((singles && p.kv.kv_heads * group * p.attn_splits > num_sms) ||
+      (pairs && p.kv.kv_heads * (group / 2) * mega_pair_splits(p.attn_splits) > num_sms))
     throw replay::usage_error(fmt::format("qwen::mega_geometry: {} attention splits give more items than the {} blocks",
                                           p.attn_splits, num_sms));
   if (p.attn_min_chunk < 64 || p.attn_min_chunk % 64 != 0)
