@@ -18,8 +18,10 @@
 constexpr int kLines = 512;  // 64 KiB
 constexpr int kChain = 8;
 
-__global__ void fill(int* buf) {
-  for (int i = threadIdx.x; i < kLines * 32; i += blockDim.x) buf[i] = 0;
+/// p[0, n) = v, by one block: the lines the probe then reads were written by a kernel on one SM.
+template <class T>
+__global__ void fill(T* p, int n, T v) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
 }
 
 __device__ __forceinline__ unsigned smid() {
@@ -49,10 +51,6 @@ __global__ void measure(const int* buf, unsigned* first, unsigned* warm, unsigne
     first[blockIdx.x * kLines + j] = static_cast<unsigned>(t1 - t0);
     warm[blockIdx.x * kLines + j] = static_cast<unsigned>((t2 - t1) / kChain);
   }
-}
-
-__global__ void fill_rows(float* rows) {
-  for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) rows[i] = 1.0f;
 }
 
 // The decode kernels' row read, warm, four ways, modes interleaved: every thread ends with the
@@ -124,7 +122,7 @@ int main() try {
   std::vector<double> acc_warm(sms * kLines, 0), acc_first(sms * kLines, 0);
   const int reps = 5;
   for (int r = 0; r < reps; ++r) {
-    fill<<<1, 256>>>(buf);
+    fill<<<1, 256>>>(buf, kLines * 32, 0);
     REPLAY_CHECK_LAUNCH("probe");
     measure<<<sms, 32, smem>>>(buf, first, warm, sm_of);
     REPLAY_CHECK_LAUNCH("probe");
@@ -187,7 +185,7 @@ int main() try {
     std::vector<unsigned> res[4];
     for (int r = 0; r < 60; ++r)
       for (int mode = 0; mode < 4; ++mode) {
-        fill_rows<<<1, 256>>>(rows);
+        fill<<<1, 256>>>(rows, 64 * 32, 1.0f);
         REPLAY_CHECK_LAUNCH("probe");
         rowread<<<sms, 128, smem>>>(rows, mode, out);
         REPLAY_CHECK_LAUNCH("probe");
