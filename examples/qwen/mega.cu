@@ -71,6 +71,20 @@ __device__ __forceinline__ void st_word(unsigned long long* p, float v, unsigned
 __device__ __forceinline__ unsigned word_tag(unsigned long long w) { return static_cast<unsigned>(w >> 32); }
 __device__ __forceinline__ float word_val(unsigned long long w) { return __uint_as_float(static_cast<unsigned>(w)); }
 
+// Half words: activations that are bf16 values (attention's output, silu(gate) * up) travel as 32-bit
+// words {bf16 bits (low), 16-bit tag (high)}, also written by one store each: half the words' bytes,
+// and a thread polls two of them with one 64-bit load (a load may see one half new and the other
+// old; each half was written by one store and carries its own tag), so a thread's kPollBatch loads
+// (the same registers as the 64-bit words') cover twice the elements: 0.6B's down
+// input (3072) and 4B's O input (4096) take one polling round instead of two, 4B's down input 3
+// instead of 5. The 16-bit tag is the word tag mod 65535, plus 1: never 0 (the buffers' initial
+// state), and two successive writes of a word (tags fewer than 65535 apart) never share it.
+__device__ __forceinline__ unsigned half_tag(unsigned tag) { return tag % 65535u + 1u; }
+__device__ __forceinline__ void st_hword(unsigned* p, float v, unsigned tag) {
+  const unsigned w = (half_tag(tag) << 16) | __bfloat16_as_ushort(__float2bfloat16(v));
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(w) : "memory");
+}
+
 /// The value of word p once it carries `tag`; `w` is a load of it already issued.
 __device__ __forceinline__ float settle(const unsigned long long* p, unsigned long long w, unsigned tag) {
   if (word_tag(w) != tag) {
@@ -111,6 +125,38 @@ __device__ __forceinline__ void poll_words(int n, unsigned tag, At&& at, Store&&
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
       if (i < count) store(base + i * kCThreads, word_val(w[i]));
+  }
+}
+/// The half words src[0, n) (n even) into dst[0, n) as bf16, once each carries half_tag(tag): the
+/// block's consumer threads split the pairs, kPollBatch pairs in flight per thread.
+__device__ __forceinline__ void poll_half_range(const unsigned* src, int n, unsigned tag, bf16* dst) {
+  const unsigned ht = half_tag(tag);
+  const auto* pairs_src = reinterpret_cast<const unsigned long long*>(src);  // one load: two half words
+  auto ready = [ht](unsigned long long w) {
+    return static_cast<unsigned>(w >> 16 & 0xffffu) == ht && static_cast<unsigned>(w >> 48) == ht;
+  };
+  const int pairs = n / 2;
+  for (int base = threadIdx.x; base < pairs; base += kCThreads * kPollBatch) {
+    unsigned long long w[kPollBatch];
+    const int count = min(kPollBatch, (pairs - base + kCThreads - 1) / kCThreads);
+#pragma unroll
+    for (int i = 0; i < kPollBatch; ++i)
+      if (i < count) w[i] = ld_word(pairs_src + base + i * kCThreads);
+    unsigned long long t0 = 0;
+    for (unsigned r = 0;; ++r) {
+      bool all = true;
+#pragma unroll
+      for (int i = 0; i < kPollBatch; ++i)
+        if (i < count && !ready(w[i])) all = false, w[i] = ld_word(pairs_src + base + i * kCThreads);
+      if (all) break;
+      if (r == 0) t0 = global_ns();
+      else if ((r & 1023u) == 0 && global_ns() - t0 > kStuckNs) stuck("activation half words", static_cast<int>(tag), 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kPollBatch; ++i)
+      if (i < count)
+        reinterpret_cast<unsigned*>(dst)[base + i * kCThreads] =
+            static_cast<unsigned>(w[i] & 0xffffu) | static_cast<unsigned>(w[i] >> 16 & 0xffff0000u);
   }
 }
 /// poll_words over the contiguous words src[0, n).
@@ -433,13 +479,14 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
 
   // Tags: the input, the residual this phase adds to, the output.
   int in_phase;
-  const unsigned long long* in_words;
+  const unsigned long long* in_words = p.x;  // the norm phases' input (fp32 words)
+  const unsigned* in_half = nullptr;          // O's and down's (bf16 half words)
   const bf16* norm_w = nullptr;
-  if constexpr (KIND == kQkv) in_phase = phase_x_in(l), in_words = p.x, norm_w = st.layers[l].in_norm;
-  else if constexpr (KIND == kO) in_phase = phase_att(l), in_words = p.attn;
-  else if constexpr (KIND == kGateUp) in_phase = phase_o(l), in_words = p.x, norm_w = st.layers[l].post_norm;
-  else if constexpr (KIND == kDown) in_phase = phase_gu(l), in_words = p.act;
-  else in_phase = phase_x_in(p.num_layers), in_words = p.x, norm_w = p.final_norm;
+  if constexpr (KIND == kQkv) in_phase = phase_x_in(l), norm_w = st.layers[l].in_norm;
+  else if constexpr (KIND == kO) in_phase = phase_att(l), in_half = p.attn;
+  else if constexpr (KIND == kGateUp) in_phase = phase_o(l), norm_w = st.layers[l].post_norm;
+  else if constexpr (KIND == kDown) in_phase = phase_gu(l), in_half = p.act;
+  else in_phase = phase_x_in(p.num_layers), norm_w = p.final_norm;
   const unsigned in_tag = st.tag(in_phase);
   const unsigned res_tag = kResidual ? st.tag(KIND == kO ? phase_x_in(l) : phase_o(l)) : 0u;
   const int out_phase = KIND == kQkv ? phase_qkv(l) : KIND == kO ? phase_o(l) : KIND == kGateUp ? phase_gu(l)
@@ -459,7 +506,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     consumer_sync();
     rms_stage(st.xf, K, p.eps, st.xs, red, st);
   } else {
-    poll_range(in_words, K, in_tag, [&](int e, float v) { st.xs[e] = __float2bfloat16(v); });  // exact: bf16 values
+    poll_half_range(in_half, K, in_tag, st.xs);
   }
   consumer_sync();
   st.mark(trace_phase, 1);
@@ -488,7 +535,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       } else if constexpr (kResidual) {
         st_word(p.x + n, xo + a0, out_tag);
       } else if constexpr (KIND == kGateUp) {
-        st_word(p.act + n, __bfloat162float(__float2bfloat16(a0 / (1.f + __expf(-a0)) * a1)), out_tag);
+        st_hword(p.act + n, a0 / (1.f + __expf(-a0)) * a1, out_tag);
       } else {
         p.logits[n] = a0;
         if (a0 > best_v) best_v = a0, best_i = n;
@@ -836,7 +883,7 @@ __device__ void attention_phase(const MegaParams& p, int l, int kvh, int h0, int
     const auto [mx, Ls, A] = merge_warp_states<kAW>(red_m, red_l, red_acc, G, D, h, d);
     const int hq = kvh * group_size + h0 + h;
     if (ch.chunks == 1) {
-      st_word(p.attn + hq * D + d, __bfloat162float(__float2bfloat16(A / Ls)), out_tag);
+      st_hword(p.attn + hq * D + d, A / Ls, out_tag);
     } else {
       unsigned long long* part = attn_part<D>(p, group_size, hq, c);
       st_word(part + 2 + d, A, out_tag);
@@ -884,7 +931,7 @@ __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, i
       L += ml[(cc * G + h) * 2 + 1] * f;
       A += part_a[cc * no + k] * f;
     }
-    st_word(p.attn + (hq0 + h) * D + d, __bfloat162float(__float2bfloat16(A / L)), tag);
+    st_hword(p.attn + (hq0 + h) * D + d, A / L, tag);
   }
   st.mark(phase_att(l), 2);
 }

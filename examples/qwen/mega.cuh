@@ -17,7 +17,9 @@
 //   activation element travels as one 64-bit word {value, tag} written by one store (the
 //   low-latency protocol of NCCL): a consumer polls the words it needs until their tags say "this
 //   step, this phase". A single 64-bit access is single-copy atomic, so a word with the right tag
-//   carries the right value, and no ordering between different words is needed.
+//   carries the right value, and no ordering between different words is needed. Activations that
+//   are bf16 values (attention's output, silu(gate) * up) travel as 32-bit words {bf16, 16-bit tag}
+//   instead, read two per load: half the bytes and polling rounds.
 //
 // Tags: epoch * phases + phase + 1, the epoch read at kernel start from a device counter that the
 // last block to exit increments, so a replayed graph never sees its previous step's words as ready.
@@ -85,8 +87,9 @@ struct MegaParams {
   // Activations as tagged 64-bit words {value bits (low), tag (high)}; tags start at zero.
   unsigned long long* x = nullptr;     ///< [hidden] residual stream (fp32 values)
   unsigned long long* qkv = nullptr;   ///< [q_dim + 2 kv_dim] projections (fp32)
-  unsigned long long* attn = nullptr;  ///< [q_dim] attention output (bf16-rounded values)
-  unsigned long long* act = nullptr;   ///< [intermediate] silu(gate) * up (bf16-rounded values)
+  /// bf16 activations as 32-bit half words {bf16 bits (low), 16-bit tag (high)}, 8-byte aligned.
+  unsigned* attn = nullptr;  ///< [q_dim] attention output
+  unsigned* act = nullptr;   ///< [intermediate] silu(gate) * up
   /// Split attention's partial states, [query heads][mega_part_splits(...)][head_dim + 2] ({max,
   /// sum, unnormalised output} per chunk; tagged words).
   unsigned long long* attn_part = nullptr;

@@ -384,7 +384,10 @@ struct Engine::Impl {
   }
 
   void build_mega() {
-    if (opt.kernels != decode_kernels::mega || !mega_supported(cfg.head_dim, cfg.group_size())) return;
+    // (An odd intermediate size would split a pair of act's half words: the ring kernels run it.)
+    if (opt.kernels != decode_kernels::mega || !mega_supported(cfg.head_dim, cfg.group_size()) ||
+        cfg.intermediate_size % 2 != 0)
+      return;
     const int L = cfg.num_hidden_layers, H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim();
     std::vector<MegaLayer> ml(L);
     for (int l = 0; l < L; ++l) {
@@ -399,7 +402,10 @@ struct Engine::Impl {
     const int part_splits = mega_part_splits(splits, cfg.group_size());  // (items of two query heads: more)
     const std::size_t part_words =
         part_splits > 1 ? std::size_t(cfg.num_attention_heads) * part_splits * (cfg.head_dim + 2) : 0;
-    const std::size_t words = std::size_t(H) + cfg.qkv_dim() + Q + I + part_words;
+    // x and qkv as 64-bit words, attn and act as 32-bit half words (Q + I of them, rounded up to
+    // whole 64-bit words), then the partial states.
+    const std::size_t half_words = (std::size_t(Q) + I + 1) / 2;
+    const std::size_t words = std::size_t(H) + cfg.qkv_dim() + half_words + part_words;
     mega_words = replay::device_buffer<unsigned long long>(words);
     REPLAY_CHECK(cudaMemset(mega_words.data(), 0, mega_words.size_bytes()));  // tag 0: never a step's tag
     mega_best = replay::device_buffer<unsigned long long>(num_sms);
@@ -415,9 +421,9 @@ struct Engine::Impl {
     p.kv = kv;
     p.x = mega_words.data();
     p.qkv = p.x + H;
-    p.attn = p.qkv + cfg.qkv_dim();
+    p.attn = reinterpret_cast<unsigned*>(p.qkv + cfg.qkv_dim());
     p.act = p.attn + Q;
-    p.attn_part = part_words > 0 ? p.act + I : nullptr;
+    p.attn_part = part_words > 0 ? p.qkv + cfg.qkv_dim() + half_words : nullptr;
     p.attn_splits = splits;
     p.attn_min_chunk = opt.mega_attn_min_chunk;
     p.attn_heads = opt.mega_attn_heads;
