@@ -5,7 +5,8 @@
 #   mkdir -p build-carry/qx
 #   strip -o /tmp/q build-qwen/examples/qwen/qwen && xz -c /tmp/q > build-carry/qx/qwen.xz   # likewise:
 #   qwen_gpu.xz (the GPU test), qwen_base.xz (a build to compare against), qwen_trace.xz (a build
-#   configured with -DQWEN_MEGA_TRACE=ON)
+#   configured with -DQWEN_MEGA_TRACE=ON), qwen_var_NAME.xz (more builds for the A/B, e.g. another
+#   QWEN_MEGA_WARPS)
 # On the GPU machine, after `source .deps/tools/env.sh` (carry .deps and build-carry):
 #   bash scripts/gpu-qwen-carried.sh [mega stages...]   (default: tests sanitize parity)
 # Unpacks to $UNPACK (default /tmp/qb): new/{qwen,qwen_gpu}, base/qwen, trace/qwen; runs
@@ -25,9 +26,16 @@ unpack qwen_gpu new qwen_gpu
 has_base=0; unpack qwen_base base qwen && has_base=1
 has_trace=0; unpack qwen_trace trace qwen && has_trace=1
 BIN_DIR="$dst/new" bash scripts/gpu-qwen-mega.sh ${*:-tests sanitize parity}
+# Further builds to compare, carried as qwen_var_NAME.xz: joined to the A/B as qwen_NAME.
+vars=""
+for v in "$src"/qwen_var_*.xz; do
+  [ -f "$v" ] || continue
+  n=$(basename "$v" .xz); n=${n#qwen_var_}
+  mkdir -p "$dst/ab" && xz -dc "$v" > "$dst/ab/qwen_$n" && chmod +x "$dst/ab/qwen_$n" && vars="$vars $dst/ab/qwen_$n"
+done
 if [ $has_base = 1 ]; then
   mkdir -p "$dst/ab" && ln -sf "$dst/base/qwen" "$dst/ab/qwen_base" && ln -sf "$dst/new/qwen" "$dst/ab/qwen_new"
-  BINS="$dst/ab/qwen_base $dst/ab/qwen_new" KERNELS=mega ROUNDS=${ROUNDS:-3} bash scripts/gpu-qwen-variants.sh
+  BINS="$dst/ab/qwen_base $dst/ab/qwen_new$vars" KERNELS=mega ROUNDS=${ROUNDS:-3} bash scripts/gpu-qwen-variants.sh
 fi
 if [ $has_trace = 1 ]; then
   mkdir -p "$dst/tr" && ln -sf "$dst/trace/qwen" "$dst/tr/qwen_trace"
