@@ -384,10 +384,11 @@ struct Engine::Impl {
   }
 
   void build_mega() {
-    // (An odd intermediate size would split a pair of act's half words: the ring kernels run it.)
-    if (opt.kernels != decode_kernels::mega || !mega_supported(cfg.head_dim, cfg.group_size()) ||
-        cfg.intermediate_size % 2 != 0)
+    if (opt.kernels != decode_kernels::mega || !mega_supported(cfg.head_dim, cfg.group_size())) return;
+    if (cfg.intermediate_size % 2 != 0) {  // act's half words are polled in pairs
+      mega_off_reason = "odd intermediate size";
       return;
+    }
     const int L = cfg.num_hidden_layers, H = cfg.hidden_size, I = cfg.intermediate_size, Q = cfg.q_dim();
     std::vector<MegaLayer> ml(L);
     for (int l = 0; l < L; ++l) {
