@@ -59,7 +59,7 @@ namespace qwen {
 inline constexpr int kMegaMarks = 8;
 /// Consumer warps per block of the persistent kernel (plus one producer warp). A build may set
 /// another count with -DQWEN_MEGA_WARPS=n (up to 11 keep the 168-register cap of 9 warps; H200,
-/// fourteenth round: 10 and 11 were 2-3% slower for 0.6B, 10 was 1% faster and 11 4% slower for 4B).
+/// fourteenth round: 10 and 11 were 1.5-2.5% slower for 0.6B, 10 was 1% faster and 11 4% slower for 4B).
 #ifndef QWEN_MEGA_WARPS
 #define QWEN_MEGA_WARPS 8
 #endif
