@@ -96,68 +96,66 @@ __device__ __forceinline__ float settle(const unsigned long long* p, unsigned lo
 }
 
 /// Settles words w[i] (loads of addr(i) already issued) for i < count: every round re-requests all
-/// the words that do not carry `tag` yet, so a round costs one round trip whatever their number.
-template <int N, class Addr>
-__device__ __forceinline__ void settle_all(unsigned long long (&w)[N], int count, unsigned tag, Addr&& addr) {
+/// the words that are not ready(w) yet, so a round costs one round trip whatever their number.
+/// (`tag`: for the hang report.)
+template <int N, class Addr, class Ready>
+__device__ __forceinline__ void settle_all_if(unsigned long long (&w)[N], int count, unsigned tag, Ready&& ready,
+                                              Addr&& addr) {
   unsigned long long t0 = 0;
   for (unsigned n = 0;; ++n) {
     bool all = true;
 #pragma unroll
     for (int i = 0; i < N; ++i)
-      if (i < count && word_tag(w[i]) != tag) all = false, w[i] = ld_word(addr(i));
+      if (i < count && !ready(w[i])) all = false, w[i] = ld_word(addr(i));
     if (all) return;
     if (n == 0) t0 = global_ns();
     else if ((n & 1023u) == 0 && global_ns() - t0 > kStuckNs) stuck("activation words", static_cast<int>(tag), 0);
   }
 }
+/// settle_all_if until every word carries `tag`.
+template <int N, class Addr>
+__device__ __forceinline__ void settle_all(unsigned long long (&w)[N], int count, unsigned tag, Addr&& addr) {
+  settle_all_if(w, count, tag, [tag](unsigned long long v) { return word_tag(v) == tag; }, static_cast<Addr&&>(addr));
+}
 
-/// store(i, value) for every i < n, once word at(i) carries `tag`; the block's consumer threads split
+/// store(i, word) for every i < n, once word at(i) is ready(word); the block's consumer threads split
 /// the words, kPollBatch of them in flight per thread.
-template <class At, class Store>
-__device__ __forceinline__ void poll_words(int n, unsigned tag, At&& at, Store&& store) {
+template <class At, class Ready, class Store>
+__device__ __forceinline__ void poll_words_if(int n, unsigned tag, Ready&& ready, At&& at, Store&& store) {
   for (int base = threadIdx.x; base < n; base += kCThreads * kPollBatch) {
     unsigned long long w[kPollBatch];
     const int count = min(kPollBatch, (n - base + kCThreads - 1) / kCThreads);
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
       if (i < count) w[i] = ld_word(at(base + i * kCThreads));
-    settle_all(w, count, tag, [&](int i) { return at(base + i * kCThreads); });
+    settle_all_if(w, count, tag, ready, [&](int i) { return at(base + i * kCThreads); });
 #pragma unroll
     for (int i = 0; i < kPollBatch; ++i)
-      if (i < count) store(base + i * kCThreads, word_val(w[i]));
+      if (i < count) store(base + i * kCThreads, w[i]);
   }
 }
-/// The half words src[0, n) (n even) into dst[0, n) as bf16, once each carries half_tag(tag): the
-/// block's consumer threads split the pairs, kPollBatch pairs in flight per thread.
+/// store(i, value) for every i < n, once word at(i) carries `tag`.
+template <class At, class Store>
+__device__ __forceinline__ void poll_words(int n, unsigned tag, At&& at, Store&& store) {
+  poll_words_if(
+      n, tag, [tag](unsigned long long v) { return word_tag(v) == tag; }, static_cast<At&&>(at),
+      [&](int i, unsigned long long v) { store(i, word_val(v)); });
+}
+/// The half words src[0, n) (n even) into dst[0, n) as bf16, once each carries half_tag(tag): a
+/// 64-bit word of poll_words_if is a pair of them, ready when both halves are.
 __device__ __forceinline__ void poll_half_range(const unsigned* src, int n, unsigned tag, bf16* dst) {
   const unsigned ht = half_tag(tag);
-  const auto* pairs_src = reinterpret_cast<const unsigned long long*>(src);  // one load: two half words
-  auto ready = [ht](unsigned long long w) {
-    return static_cast<unsigned>(w >> 16 & 0xffffu) == ht && static_cast<unsigned>(w >> 48) == ht;
-  };
-  const int pairs = n / 2;
-  for (int base = threadIdx.x; base < pairs; base += kCThreads * kPollBatch) {
-    unsigned long long w[kPollBatch];
-    const int count = min(kPollBatch, (pairs - base + kCThreads - 1) / kCThreads);
-#pragma unroll
-    for (int i = 0; i < kPollBatch; ++i)
-      if (i < count) w[i] = ld_word(pairs_src + base + i * kCThreads);
-    unsigned long long t0 = 0;
-    for (unsigned r = 0;; ++r) {
-      bool all = true;
-#pragma unroll
-      for (int i = 0; i < kPollBatch; ++i)
-        if (i < count && !ready(w[i])) all = false, w[i] = ld_word(pairs_src + base + i * kCThreads);
-      if (all) break;
-      if (r == 0) t0 = global_ns();
-      else if ((r & 1023u) == 0 && global_ns() - t0 > kStuckNs) stuck("activation half words", static_cast<int>(tag), 0);
-    }
-#pragma unroll
-    for (int i = 0; i < kPollBatch; ++i)
-      if (i < count)
-        reinterpret_cast<unsigned*>(dst)[base + i * kCThreads] =
-            static_cast<unsigned>(w[i] & 0xffffu) | static_cast<unsigned>(w[i] >> 16 & 0xffff0000u);
-  }
+  const auto* pairs = reinterpret_cast<const unsigned long long*>(src);
+  poll_words_if(
+      n / 2, tag,
+      [ht](unsigned long long w) {
+        return static_cast<unsigned>(w >> 16 & 0xffffu) == ht && static_cast<unsigned>(w >> 48) == ht;
+      },
+      [pairs](int i) { return pairs + i; },
+      [dst](int i, unsigned long long w) {
+        reinterpret_cast<unsigned*>(dst)[i] =
+            static_cast<unsigned>(w & 0xffffu) | static_cast<unsigned>(w >> 16 & 0xffff0000u);
+      });
 }
 /// poll_words over the contiguous words src[0, n).
 template <class Store>
