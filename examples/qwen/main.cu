@@ -215,7 +215,8 @@ int main(int argc, char** argv) {
   int random_prompt_n = 0, gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1;
   int bench_steps = 0;
   double kv_mb = 1024;
-  bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false, mega_fma = false;
+  bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false, mega_fma = false,
+       mega_rows = false;
   std::string bench_batches_s = "1,8,32,64";
   const char* kernels_env = std::getenv("QWEN_KERNELS");
   std::string kernels_s =
@@ -272,6 +273,8 @@ int main(int argc, char** argv) {
   app.add_flag("--mega-fma", mega_fma,
                "persistent kernel: GEMV rows with the per-matrix kernels' FMAs (bit-identical to ring) instead of "
                "tensor cores");
+  app.add_flag("--mega-rows", mega_rows,
+               "persistent kernel: tensor-core rows one (or two) at a time per warp instead of tiles of 4 rows");
   app.add_flag("--quiet", quiet, "print less");
   CLI11_PARSE(app, argc, argv);
 
@@ -303,6 +306,7 @@ int main(int argc, char** argv) {
     opt.mega_attn_min_chunk = mega_attn_chunk;
     opt.mega_attn_heads = mega_attn_heads;
     opt.mega_mma = !mega_fma;
+    opt.mega_tiles = !mega_rows;
     opt.stream_trace = env_int("QWEN_STREAM_TRACE", 0) != 0;
 
     std::vector<int> prompt;

@@ -49,6 +49,14 @@ constexpr int kPollBatch = 8;          // tagged words in flight per thread whil
 constexpr int kSmemLayers = 48;        // layer tables up to this long are copied to shared memory
                                        // (64: 4B's fifth 5 KiB slot per warp did not fit)
 constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
+/// Bytes of the work area's GEMV staging: x as bf16 (the widest input), or x as bf16 then the fp32
+/// residual row (xf); the tiles' partial sums follow it (host and device use this one formula).
+__host__ __device__ constexpr std::size_t stage_bytes(int hidden, int q_dim, int intermediate) {
+  const std::size_t kmax = static_cast<std::size_t>(hidden > q_dim ? (hidden > intermediate ? hidden : intermediate)
+                                                                   : (q_dim > intermediate ? q_dim : intermediate));
+  const std::size_t a = kmax * 2, b = (std::size_t(hidden) * 2 + 15) / 16 * 16 + std::size_t(hidden) * 4;
+  return ((a > b ? a : b) + 15) / 16 * 16;
+}
 // The trace (MegaParams::trace) is compiled in only by a build with -DQWEN_MEGA_TRACE_BUILD=1 (CMake
 // option QWEN_MEGA_TRACE): its checks alone, never taken, made the step 1.2-2% slower (H200, 0.6B and 4B).
 #ifndef QWEN_MEGA_TRACE_BUILD
@@ -230,15 +238,16 @@ __device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, cons
   ++c.j;
   cursor_seek(c, p, layers, g, GW, piece);
 }
-/// One ring slot's bulk copies: `bytes` from src to dst, and (a packed gate/up slot) `bytes2` from
-/// src2 to dst2; bytes == 0: none (the stream has ended).
+/// One ring slot's bulk copies: `rows` copies of `bytes` each, the r-th from src + r * src_stride to
+/// dst + r * dst_stride (a packed gate/up slot: the gate row and its up row; a tile: its 4 rows);
+/// bytes == 0: none (the stream has ended).
 struct PieceCopy {
   bf16* dst = nullptr;
   const bf16* src = nullptr;
   unsigned bytes = 0;
-  bf16* dst2 = nullptr;
-  const bf16* src2 = nullptr;
-  unsigned bytes2 = 0;
+  int rows = 1;
+  std::size_t src_stride = 0;  // elements
+  int dst_stride = 0;          // elements
 };
 
 /// The cursor's piece for slot s of `ring` (nothing once the stream has ended), then advance.
@@ -251,9 +260,10 @@ __device__ __forceinline__ PieceCopy cursor_piece(Cursor& c, const MegaParams& p
     const unsigned row_bytes = static_cast<unsigned>(c.m.K) * sizeof(bf16);
     pc.src = c.m.W + std::size_t(c.row) * c.m.K;
     if (c.halves == 2) {
-      pc.bytes = pc.bytes2 = row_bytes;
-      pc.dst2 = pc.dst + c.m.K;
-      pc.src2 = pc.src + std::size_t(c.m.N) * c.m.K;
+      pc.bytes = row_bytes;
+      pc.rows = 2;
+      pc.dst_stride = c.m.K;
+      pc.src_stride = std::size_t(c.m.N) * c.m.K;
     } else {
       pc.bytes = (c.row + 1 < c.end ? 2u : 1u) * row_bytes;
     }
@@ -266,12 +276,74 @@ __device__ __forceinline__ PieceCopy cursor_piece(Cursor& c, const MegaParams& p
   return pc;
 }
 
+// Tiles (MegaParams::tiles): a GEMV's rows in groups of kTileRows; a block owns the groups
+// [row_split(b, N / 4, grid), row_split(b + 1, ...)) (gate/up: each group's gate rows and up rows, as two
+// "virtual" groups, gate first), and its items, (virtual group, slice of kTileK weights of each row),
+// group-major, are split evenly over its consumer warps. A slot holds one item: 4 rows x kTileK
+// weights, row r at r * kTileK (4 bulk copies of 1 KiB).
+constexpr int kTileRows = 4;
+constexpr int kTileK = 512;
+constexpr int kTilePiece = kTileRows * kTileK;  // weights per slot (4 KiB)
+
+/// The block's share of a GEMV in tiles: real groups [rg0, rg0 + nrg), S slices per row, `halves`
+/// virtual groups per real group, I items.
+struct TileSplit {
+  int rg0, nrg, S, halves, I;
+};
+__device__ __forceinline__ TileSplit tile_split(const MegaGemv& m, int halves, int block, int grid) {
+  const int NG = m.N / kTileRows;
+  const int rg0 = row_split(block, NG, grid), rg1 = row_split(block + 1, NG, grid);
+  const int S = (m.K + kTileK - 1) / kTileK;
+  return {rg0, rg1 - rg0, S, halves, (rg1 - rg0) * halves * S};
+}
+
+/// A producer lane's position in its warp's stream of tiles: GEMV j, item i of [i, i1), which is
+/// slice sl of virtual group vg (counted along, no divisions per piece).
+struct TileCursor {
+  int j, i, i1, vg, sl;
+  TileSplit t;
+  MegaGemv m;
+};
+__device__ __forceinline__ void tile_seek(TileCursor& c, const MegaParams& p, const MegaLayer* layers, int block,
+                                          int warp) {
+  for (; c.j <= 4 * p.num_layers; ++c.j) {
+    c.m = gemv_of(p, layers, c.j);
+    c.t = tile_split(c.m, gemv_halves(p, c.j), block, gridDim.x);
+    c.i = row_split(warp, c.t.I, kMW);
+    c.i1 = row_split(warp + 1, c.t.I, kMW);
+    if (c.i < c.i1) {
+      c.vg = c.i / c.t.S;
+      c.sl = c.i - c.vg * c.t.S;
+      return;
+    }
+  }
+}
+__device__ __forceinline__ PieceCopy tile_piece(TileCursor& c, const MegaParams& p, const MegaLayer* layers,
+                                                int block, int warp, bf16* ring, int s) {
+  PieceCopy pc;
+  if (c.j > 4 * p.num_layers) return pc;
+  const int half = c.t.halves == 2 ? c.vg & 1 : 0, rg = c.t.rg0 + (c.t.halves == 2 ? c.vg >> 1 : c.vg);
+  const int k0 = c.sl * kTileK;
+  pc.dst = ring + std::size_t(s) * kTilePiece;
+  pc.src = c.m.W + (std::size_t(half) * c.m.N + std::size_t(rg) * kTileRows) * c.m.K + k0;
+  pc.bytes = static_cast<unsigned>(min(kTileK, c.m.K - k0)) * sizeof(bf16);
+  pc.rows = kTileRows;
+  pc.src_stride = static_cast<std::size_t>(c.m.K);
+  pc.dst_stride = kTileK;
+  if (++c.sl == c.t.S) c.sl = 0, ++c.vg;
+  if (++c.i == c.i1) {
+    ++c.j;
+    tile_seek(c, p, layers, block, warp);
+  }
+  return pc;
+}
+
 /// Issues a slot's copies on its "full" barrier (the barrier expects their bytes).
 __device__ __forceinline__ void issue_piece(const PieceCopy& pc, unsigned long long* bar, unsigned long long pol) {
   if (pc.bytes == 0) return;
-  mbar_arrive_tx(bar, pc.bytes + pc.bytes2);
-  bulk_load(pc.dst, pc.src, pc.bytes, bar, pol);
-  if (pc.bytes2 != 0) bulk_load(pc.dst2, pc.src2, pc.bytes2, bar, pol);
+  mbar_arrive_tx(bar, pc.bytes * static_cast<unsigned>(pc.rows));
+  for (int r = 0; r < pc.rows; ++r)
+    bulk_load(pc.dst + std::size_t(r) * pc.dst_stride, pc.src + r * pc.src_stride, pc.bytes, bar, pol);
 }
 
 /// The producer lanes in `ready` issue their copies (refill: after a proxy fence, which orders the
@@ -311,6 +383,9 @@ struct Step {
   bf16* xs;     // staged GEMV input [max K] bf16
   float* xf;    // fp32 residual row [hidden] (RMSNorm input)
   unsigned char* work;
+  float* part;                // tiles: the warps' partial row sums [kMW][part_groups][kTileRows]
+  int part_groups;
+  int2* groups;               // tiles: each warp's virtual groups [x, y) of the phase
   const MegaLayer* layers;    // the layer table (a shared-memory copy when it fits)
   int pos;                    // the row's position this step
   const std::int32_t* table;  // its block-table row (a shared-memory copy when it fits)
@@ -426,6 +501,21 @@ __device__ __forceinline__ void mma_chunk(const bf16* const (&w)[NR], const bf16
     }
   }
 }
+/// c += one 64-weight block of a tile (4 rows x 64 weights) times x, on the tensor cores (MegaParams::tiles).
+/// Lane L = 4 g + t holds `a`, the 16 bytes at weights 8 (L % 8) .. + 7 of tile row L / 8 (k = 32 s + 8 t
+/// + e within the block, s = g % 2), and `xb`, x at k = 32 s + 8 t + 4 h .. + 3 (h = g / 4 % 2).
+/// Relabelling k as (window s + 2 (e / 4), position 2 t + e % 2 + 8 (e / 2 % 2)) makes A's row m tile
+/// row m % 8 / 2 over window m % 2 + 2 (m / 8), and B's column n x over window n % 2 + 2 (n / 4 % 2):
+/// C[m][n] with matching windows is a 16-weight dot product, and row r's four windows land in
+/// C[2r][0], C[2r + 1][1], C[2r + 8][4], C[2r + 9][5]: lanes 8r (c0), 8r + 4 (c1), 8r + 2 (c2) and
+/// 8r + 6 (c3). 256 weights per MMA, every shared-memory load conflict-free, nothing zero.
+__device__ __forceinline__ void mma_tile(float (&c)[4], const uint4& a, const uint2& xb) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a.x), "r"(a.z), "r"(a.y), "r"(a.w), "r"(xb.x), "r"(xb.y));
+}
 /// This lane's share of the row sum: C[g][g] if it holds it (lane (g, g / 2), register g % 2), else 0;
 /// a warp_sum of it is the row's dot product.
 __device__ __forceinline__ float mma_diag(const float (&c)[4], int lane) {
@@ -462,7 +552,7 @@ struct RowProf {
 };
 
 /// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
-template <int KIND, bool MMA, int PW>
+template <int KIND, bool MMA, int PW, bool TILES>
 __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, float* red,
                            float& best_v, int& best_i) {
   constexpr int R = KIND == kGateUp ? 2 : 1;
@@ -471,8 +561,16 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   const int j = KIND == kLmHead ? 4 * p.num_layers : 4 * l + KIND;
   const MegaGemv m = gemv_of(p, st.layers, j);
   const int N = m.N, K = m.K;
-  const int r0 = row_split(st.g, N, st.GW), r1 = row_split(st.g + 1, N, st.GW);
-  const int b0 = row_split(blockIdx.x * kMW, N, st.GW), b1 = row_split((blockIdx.x + 1) * kMW, N, st.GW);
+  // The block's rows [b0, b1) (tiles: whole groups of kTileRows), the warp's [r0, r1) (rows, not tiles).
+  TileSplit ts{};
+  int r0 = 0, r1 = 0, b0, b1;
+  if constexpr (TILES) {
+    ts = tile_split(m, R, blockIdx.x, gridDim.x);
+    b0 = ts.rg0 * kTileRows, b1 = b0 + ts.nrg * kTileRows;
+  } else {
+    r0 = row_split(st.g, N, st.GW), r1 = row_split(st.g + 1, N, st.GW);
+    b0 = row_split(blockIdx.x * kMW, N, st.GW), b1 = row_split((blockIdx.x + 1) * kMW, N, st.GW);
+  }
   if (b0 == b1) return;  // no rows in this block: it neither stages nor reads this phase's input
 
   // Tags: the input, the residual this phase adds to, the output.
@@ -493,9 +591,14 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   const int trace_phase = KIND == kLmHead ? phase_x_in(p.num_layers) + 1 : out_phase;
   st.mark(trace_phase, 0);
 
-  // The residual of the warp's first 32 rows, requested before the staging (one word per lane).
+  // The residual of the warp's first 32 rows (tiles: of the block's first kCThreads rows, one per
+  // thread), requested before the staging.
   unsigned long long xres = 0;
-  if (kResidual && st.lane < r1 - r0) xres = ld_word(p.x + r0 + st.lane);
+  if constexpr (TILES) {
+    if (kResidual && st.tid < b1 - b0) xres = ld_word(p.x + b0 + st.tid);
+  } else {
+    if (kResidual && st.lane < r1 - r0) xres = ld_word(p.x + r0 + st.lane);
+  }
 
   consumer_sync();  // every warp is done with the work area (previous phase)
   if constexpr (kNorm) {
@@ -508,6 +611,90 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   }
   consumer_sync();
   st.mark(trace_phase, 1);
+
+  if constexpr (TILES) {
+    // Each warp's items (tile_split), then one thread per row of the block adds the warps' partial sums.
+    const int S = ts.S, I = ts.I, JM = st.part_groups, lane = st.lane;
+    const int i0 = row_split(st.warp, I, kMW), i1 = row_split(st.warp + 1, I, kMW), jb = i0 / S;
+    // Lane L reads the 16 bytes at (row L / 8, chunk L % 8) of every 64-weight block of the slot, and
+    // the 8 bytes of x that mma_tile pairs with them.
+    const bf16* const rbase = ring.base + (lane >> 3) * kTileK + (lane & 7) * 8;
+    const bf16* const xl = st.xs + ((lane >> 2) & 1) * 32 + (lane & 3) * 8 + ((lane >> 4) & 1) * 4;
+    float* const part = st.part + st.warp * JM * kTileRows;
+    int rs = ring.s;
+    unsigned rpar = ring.parity;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    int gl = jb, sl = i0 - jb * S;
+    // The warp's sums of its current group's 4 rows: row r's four window sums sit in lanes 8r, 8r + 2,
+    // 8r + 4, 8r + 6 (mma_tile); two shuffles add them into lane 8r.
+    auto flush = [&] {
+      float v = (lane >> 2) & 1 ? ((lane & 2) ? c[3] : c[1]) : ((lane & 2) ? c[2] : c[0]);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      if ((lane & 7) == 0) part[(gl - jb) * kTileRows + (lane >> 3)] = v;
+    };
+    RowProf prof;
+    prof.start();
+    for (int i = i0; i < i1; ++i) {
+      st.slot_wait(ring.bars + rs, rpar, rs, trace_phase);
+      prof.lap(prof.wait);
+      const int k0 = sl * kTileK, nb = min(kTileK, K - k0) >> 6;
+      const bf16* const w = rbase + std::size_t(rs) * kTilePiece;
+#pragma unroll
+      for (int b = 0; b < kTileK / 64; ++b) {
+        if (b < nb) {
+          const uint4 a = *reinterpret_cast<const uint4*>(w + b * 64);
+          const uint2 xb = *reinterpret_cast<const uint2*>(xl + k0 + b * 64);
+          mma_tile(c, a, xb);
+        }
+      }
+      mbar_arrive(ring.empty + rs);
+      if (++rs == ring.slots) rs = 0, rpar ^= 1u;
+      prof.lap(prof.math);
+      if (++sl == S || i + 1 == i1) {  // the group's last item in this warp
+        flush();
+        c[0] = c[1] = c[2] = c[3] = 0.f;
+        sl = 0, ++gl;
+        prof.lap(prof.epi);
+      }
+    }
+    ring.s = rs, ring.parity = rpar;
+    // The warp's groups [jb, gl) (none: jb = gl), for the epilogue.
+    if (lane == 0) st.groups[st.warp] = make_int2(jb, i0 < i1 ? gl : jb);
+    consumer_sync();  // every warp's partial sums are in st.part
+    // Row e % 4 of the block's virtual group vg: the partial sums of the warps that hold a slice of
+    // it, in warp order (the same order every step).
+    int2 wg[kMW];
+#pragma unroll
+    for (int w = 0; w < kMW; ++w) wg[w] = st.groups[w];
+    auto row_sum = [&](int vg, int e) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kMW; ++w)
+        if (wg[w].x <= vg && vg < wg[w].y) v += st.part[(w * JM + vg - wg[w].x) * kTileRows + (e & 3)];
+      return v;
+    };
+    for (int e = st.tid; e < b1 - b0; e += kCThreads) {
+      const int n = b0 + e, vg = e / kTileRows * R;
+      const float a0 = row_sum(vg, e);
+      if constexpr (KIND == kQkv) {
+        st_word(p.qkv + n, a0, out_tag);
+      } else if constexpr (kResidual) {
+        const float xo = settle(p.x + n, e < kCThreads ? xres : ld_word(p.x + n), res_tag);
+        st_word(p.x + n, xo + a0, out_tag);
+      } else if constexpr (KIND == kGateUp) {
+        const float a1 = row_sum(vg + 1, e);
+        st_hword(p.act + n, a0 / (1.f + __expf(-a0)) * a1, out_tag);
+      } else {
+        p.logits[n] = a0;
+        if (a0 > best_v) best_v = a0, best_i = n;
+      }
+    }
+    if (QWEN_MEGA_TRACE_BUILD && st.trace != nullptr)
+      prof.flush(st.trace + (std::size_t(blockIdx.x) * st.phases + trace_phase) * kMegaMarks, lane);
+    st.mark(trace_phase, 2);
+    return;
+  }
 
   const int piece_w = PW != 0 ? PW : p.piece;  // weights per slot
   const int P = (K + piece_w - 1) / piece_w;
@@ -968,46 +1155,55 @@ std::size_t attention_scratch() {
 /// The producer warp: lane w < kMW keeps consumer warp w's ring full, the stream's first `slots`
 /// pieces at once, then each next piece as soon as the warp releases the slot it goes into. The
 /// lanes poll their "empty" barriers together (non-blocking), so one lane's wait never holds another.
-template <int PW>
+/// TILES: the stream of tiles (TileCursor), else of rows (Cursor).
+template <int PW, bool TILES>
 __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned char* smem,
                         unsigned long long (*full)[kMaxRingSlots], unsigned long long (*empty)[kMaxRingSlots], int S,
                         int lane) {
   const int GW = gridDim.x * kMW, g = blockIdx.x * kMW + lane, end = 4 * p.num_layers;
-  const int piece = PW != 0 ? PW : p.piece;
+  const int piece = TILES ? kTilePiece : PW != 0 ? PW : p.piece;
   const unsigned long long pol = evict_first_policy();
   const bool serial = p.serial_issue != 0;
   bool active = lane < kMW;
   Cursor c{};
+  TileCursor tc{};
   bf16* base = nullptr;
   if (active) {
     base = reinterpret_cast<bf16*>(smem) + std::size_t(lane) * S * piece;
-    c.j = 0;
-    cursor_seek(c, p, layers, g, GW, piece);
+    if constexpr (TILES) tc.j = 0, tile_seek(tc, p, layers, blockIdx.x, lane);
+    else c.j = 0, cursor_seek(c, p, layers, g, GW, piece);
   }
+  auto next = [&](int s) {
+    if constexpr (TILES) return tile_piece(tc, p, layers, blockIdx.x, lane, base, s);
+    else return cursor_piece(c, p, layers, g, GW, piece, base, s);
+  };
+  auto more = [&] { return TILES ? tc.j <= end : c.j <= end; };
   for (int s = 0; s < S; ++s) {
-    const PieceCopy pc = active ? cursor_piece(c, p, layers, g, GW, piece, base, s) : PieceCopy{};
+    const PieceCopy pc = active ? next(s) : PieceCopy{};
     issue_lanes(active, false, pc, active ? full[lane] + s : nullptr, pol, serial, lane);
   }
-  active = active && c.j <= end;
+  active = active && more();
   int s = 0;
   unsigned parity = 0;
   while (__any_sync(0xffffffffu, active)) {
     // The consumer lanes' reads of the slot (generic proxy) are ordered before the bulk copy that
     // overwrites it (async proxy): the barrier's release/acquire, then a proxy fence.
     const bool ready = active && mbar_test_wait(empty[lane] + s, parity);
-    const PieceCopy pc = ready ? cursor_piece(c, p, layers, g, GW, piece, base, s) : PieceCopy{};
+    const PieceCopy pc = ready ? next(s) : PieceCopy{};
     issue_lanes(ready, true, pc, ready ? full[lane] + s : nullptr, pol, serial, lane);
     if (ready) {
       if (++s == S) s = 0, parity ^= 1u;
-      active = c.j <= end;
+      active = more();
     }
     if (!__any_sync(0xffffffffu, ready)) __nanosleep(32);
   }
 }
 
 /// PW: weights per ring slot, or 0 for MegaParams::piece (a run-time value cost the 0.6B step 1.5%).
-template <int D, int G, bool MMA, int PW>
+/// TILES: GEMV rows as tiles (MegaParams::tiles; MMA and PW = kTilePiece).
+template <int D, int G, bool MMA, int PW, bool TILES>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
+  static_assert(!TILES || (MMA && PW == kTilePiece), "tiles are tensor-core rows in 4 KiB slots");
   constexpr int GP = pair_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long bars[kMW][kMaxRingSlots];   // full
@@ -1018,6 +1214,7 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   __shared__ MegaLayer layers_s[kSmemLayers];
   __shared__ std::int32_t table_s[kSmemTable];
   __shared__ int4 item_s;  // this block's attention item (see below)
+  __shared__ int2 groups_s[kMW];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = p.slots;
   const int pos = p.meta.pos[0];
@@ -1052,9 +1249,12 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   // starts after those, over the part of xs that only the wider inputs (attention output, SiLU
   // product) use.
   st.xf = reinterpret_cast<float*>(st.work + (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16);
+  st.part = reinterpret_cast<float*>(st.work + stage_bytes(p.hidden, p.q_dim, p.intermediate));
+  st.part_groups = p.part_groups;
+  st.groups = groups_s;
 
   if (warp == kMW) {  // the producer warp: the weight streams (weights never depend on activations)
-    produce<PW>(p, st.layers, smem, bars, empty, S, lane);
+    produce<PW, TILES>(p, st.layers, smem, bars, empty, S, lane);
   } else {
   Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * piece, bars[warp], empty[warp], S};
 
@@ -1089,7 +1289,7 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
     consumer_sync();
   }
   for (int l = 0; l < p.num_layers; ++l) {
-    gemv_phase<kQkv, MMA, PW>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kQkv, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
     if (const int4 item = item_s; item.x >= 0) {
       bool done = false;
       if constexpr (GP > 1) {
@@ -1105,14 +1305,21 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
         attention_combine<D, 1>(p, l, item.x, item.y, G, item.z, p.attn_splits, st);
       }
     }
-    gemv_phase<kO, MMA, PW>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kGateUp, MMA, PW>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kDown, MMA, PW>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kO, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kGateUp, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kDown, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
   }
-  gemv_phase<kLmHead, MMA, PW>(p, 0, st, ring, red, best_v, best_i);
+  gemv_phase<kLmHead, MMA, PW, TILES>(p, 0, st, ring, red, best_v, best_i);
 
-  // Argmax: the block's best key, then the last block out reduces them and ends the epoch.
-  if (lane == 0) red_key[warp] = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
+  // Argmax: the block's best key (each thread's, then each warp's), then the last block out reduces
+  // them and ends the epoch.
+  unsigned long long key = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+    key = other > key ? other : key;
+  }
+  if (lane == 0) red_key[warp] = key;
   }
   __syncthreads();
   if (tid == 0) {
@@ -1137,24 +1344,34 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
 using kernel_ptr = void (*)(const MegaParams);
 
-/// The kernel for (head_dim, query heads per kv head, tensor-core rows, weights per slot): slots of
-/// 2048 weights are a compile-time constant; other sizes (tensor-core rows only) a run-time value.
-kernel_ptr pick(int D, int G, bool mma, int piece) {
-  if (piece != 2 * kChunk) {
-    if (!mma) return nullptr;
-    if (D == 64 && G == 1) return mega_kernel<64, 1, true, 0>;
-    if (D == 64 && G == 2) return mega_kernel<64, 2, true, 0>;
-    if (D == 128 && G == 1) return mega_kernel<128, 1, true, 0>;
-    if (D == 128 && G == 2) return mega_kernel<128, 2, true, 0>;
-    if (D == 128 && G == 4) return mega_kernel<128, 4, true, 0>;
+/// The kernel for (head_dim, query heads per kv head, tensor-core rows, weights per slot, tiles):
+/// slots of 2048 weights are a compile-time constant; other sizes (tensor-core rows only) a run-time
+/// value; tiles take 2048.
+kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles) {
+  constexpr int P = 2 * kChunk;
+  static_assert(P == kTilePiece, "tiles use the 2048-weight variants' slots");
+  if (tiles) {
+    if (D == 64 && G == 1) return mega_kernel<64, 1, true, P, true>;
+    if (D == 64 && G == 2) return mega_kernel<64, 2, true, P, true>;
+    if (D == 128 && G == 1) return mega_kernel<128, 1, true, P, true>;
+    if (D == 128 && G == 2) return mega_kernel<128, 2, true, P, true>;
+    if (D == 128 && G == 4) return mega_kernel<128, 4, true, P, true>;
     return nullptr;
   }
-  constexpr int P = 2 * kChunk;
-  if (D == 64 && G == 1) return mma ? mega_kernel<64, 1, true, P> : mega_kernel<64, 1, false, P>;
-  if (D == 64 && G == 2) return mma ? mega_kernel<64, 2, true, P> : mega_kernel<64, 2, false, P>;
-  if (D == 128 && G == 1) return mma ? mega_kernel<128, 1, true, P> : mega_kernel<128, 1, false, P>;
-  if (D == 128 && G == 2) return mma ? mega_kernel<128, 2, true, P> : mega_kernel<128, 2, false, P>;
-  if (D == 128 && G == 4) return mma ? mega_kernel<128, 4, true, P> : mega_kernel<128, 4, false, P>;
+  if (piece != P) {
+    if (!mma) return nullptr;
+    if (D == 64 && G == 1) return mega_kernel<64, 1, true, 0, false>;
+    if (D == 64 && G == 2) return mega_kernel<64, 2, true, 0, false>;
+    if (D == 128 && G == 1) return mega_kernel<128, 1, true, 0, false>;
+    if (D == 128 && G == 2) return mega_kernel<128, 2, true, 0, false>;
+    if (D == 128 && G == 4) return mega_kernel<128, 4, true, 0, false>;
+    return nullptr;
+  }
+  if (D == 64 && G == 1) return mma ? mega_kernel<64, 1, true, P, false> : mega_kernel<64, 1, false, P, false>;
+  if (D == 64 && G == 2) return mma ? mega_kernel<64, 2, true, P, false> : mega_kernel<64, 2, false, P, false>;
+  if (D == 128 && G == 1) return mma ? mega_kernel<128, 1, true, P, false> : mega_kernel<128, 1, false, P, false>;
+  if (D == 128 && G == 2) return mma ? mega_kernel<128, 2, true, P, false> : mega_kernel<128, 2, false, P, false>;
+  if (D == 128 && G == 4) return mma ? mega_kernel<128, 4, true, P, false> : mega_kernel<128, 4, false, P, false>;
   return nullptr;
 }
 std::size_t scratch(int D, int G) {
@@ -1167,7 +1384,7 @@ std::size_t scratch(int D, int G) {
 
 }  // namespace
 
-bool mega_supported(int head_dim, int group) { return pick(head_dim, group, false, 2 * kChunk) != nullptr; }
+bool mega_supported(int head_dim, int group) { return pick(head_dim, group, false, 2 * kChunk, false) != nullptr; }
 
 int mega_attention_splits(int kv_heads, int group, int grid) {
   return std::clamp(grid / std::max(kv_heads * group, 1), 1, kMaxAttnSplits);
@@ -1194,9 +1411,15 @@ double slot_weights(const MegaParams& p, int piece) {
 bool mega_trace_built() { return QWEN_MEGA_TRACE_BUILD != 0; }
 
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
-  const kernel_ptr k0 = pick(head_dim, group, p.mma != 0, 2 * kChunk);
+  const bool tiles = p.tiles != 0;
+  const kernel_ptr k0 = pick(head_dim, group, p.mma != 0, 2 * kChunk, tiles);
   if (k0 == nullptr)
     throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
+  if (tiles && (p.hidden % kTileRows != 0 || (p.q_dim + 2 * p.kv_dim) % kTileRows != 0 ||
+                p.intermediate % kTileRows != 0 || p.vocab % kTileRows != 0 || p.hidden % 64 != 0 ||
+                p.q_dim % 64 != 0 || p.intermediate % 64 != 0))
+    throw replay::usage_error(
+        "qwen::mega_geometry: tiles need row counts that are multiples of 4 and widths that are multiples of 64");
   if (p.mma != 0 && (p.hidden % 256 != 0 || p.q_dim % 256 != 0 || p.intermediate % 256 != 0))
     throw replay::usage_error("qwen::mega_geometry: tensor-core rows need matrix widths that are multiples of 256");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
@@ -1220,10 +1443,22 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   if (coop == 0) throw replay::usage_error("qwen::mega_geometry: the device has no cooperative launch");
   cudaFuncAttributes fa{};
   REPLAY_CHECK(cudaFuncGetAttributes(&fa, k0));  // (every variant has the same static shared memory)
-  const std::size_t kmax = std::max({p.hidden, p.q_dim, p.intermediate});
-  const std::size_t stage = std::max(kmax * sizeof(bf16),
-                                     (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16 + std::size_t(p.hidden) * sizeof(float));
-  const std::size_t work = (std::max(stage, scratch(head_dim, group)) + 127) / 128 * 128;
+  // Tiles: groups a warp's items touch at most (tile_split: at most ceil(items per warp / S) + 1), over
+  // the step's GEMVs; their partial sums follow the staging in the work area.
+  int part_groups = 0;
+  if (tiles) {
+    auto groups = [&](int N, int K, int halves) {
+      const int per_block = (N / kTileRows + num_sms - 1) / num_sms * halves, S = (K + kTileK - 1) / kTileK;
+      const int per_warp = (per_block * S + kMW - 1) / kMW;
+      return (per_warp + S - 1) / S + 1;
+    };
+    part_groups = std::max({groups(p.q_dim + 2 * p.kv_dim, p.hidden, 1), groups(p.hidden, p.q_dim, 1),
+                            groups(p.intermediate, p.hidden, 2), groups(p.hidden, p.intermediate, 1),
+                            groups(p.vocab, p.hidden, 1)});
+  }
+  const std::size_t part_bytes = std::size_t(kMW) * part_groups * kTileRows * sizeof(float);
+  const std::size_t work =
+      (std::max(stage_bytes(p.hidden, p.q_dim, p.intermediate) + part_bytes, scratch(head_dim, group)) + 127) / 128 * 128;
   const long long avail = static_cast<long long>(optin) - static_cast<long long>(fa.sharedSizeBytes) -
                           static_cast<long long>(work) - 1024;
   // Weights per slot: p.piece, or (0) the candidate that keeps the most weights in flight per warp:
@@ -1234,23 +1469,23 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
     return std::min<long long>(
         {avail / (kMW * piece * static_cast<long long>(sizeof(bf16))), max_slots, kMaxRingSlots});
   };
-  int piece = p.piece;
+  int piece = tiles ? kTilePiece : p.piece;
   if (piece == 0) {
     const double useful = slot_weights(p, 1);  // every row in slots of one weight: no waste
     double best = -1.0;
     for (int c : {2 * kChunk, 5 * kChunk / 2, 3 * kChunk}) {
-      if (pick(head_dim, group, p.mma != 0, c) == nullptr) continue;
+      if (pick(head_dim, group, p.mma != 0, c, false) == nullptr) continue;
       const double score = static_cast<double>(slots_of(c)) * c * useful / slot_weights(p, c);
       if (score > best * 1.0001) best = score, piece = c;
     }
   }
   if (piece < 2 * kChunk || piece > kMaxPiece || piece % 256 != 0 ||
-      pick(head_dim, group, p.mma != 0, piece) == nullptr)
+      pick(head_dim, group, p.mma != 0, piece, tiles) == nullptr)
     throw replay::usage_error(
         fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core rows "
                     "a multiple of 256 in [2048, {}]",
                     piece, kMaxPiece));
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles);
   const long long slots = slots_of(piece);
   if (slots < 2)
     throw replay::usage_error(fmt::format("qwen::mega_geometry: {} B of staging leave no room for 2 ring slots per warp",
@@ -1259,6 +1494,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   g.slots = static_cast<int>(slots);
   g.piece = piece;
   g.slot_bytes = piece * static_cast<int>(sizeof(bf16));
+  g.part_groups = part_groups;
   g.smem = std::size_t(kMW) * g.slots * piece * sizeof(bf16) + work;
   REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
   int per_sm = 0;
@@ -1272,9 +1508,9 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
 }
 
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece, p.tiles != 0);
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
-  if (p.slots != g.slots || p.piece != g.piece)
+  if (p.slots != g.slots || p.piece != g.piece || p.part_groups != g.part_groups)
     throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(g.grid);

@@ -44,7 +44,7 @@
 // Example (what model.cu does for bucket 1):
 //   MegaParams p = ...;                                   // weights, metadata, tagged buffers, counters
 //   const MegaGeometry g = mega_geometry(p, head_dim, group, 16, num_sms);  // p.piece = 0: it picks
-//   p.slots = g.slots, p.piece = g.piece;
+//   p.slots = g.slots, p.piece = g.piece, p.part_groups = g.part_groups;
 //   launch_mega(p, head_dim, group, g, stream);          // one step; capturable in a graph
 #pragma once
 
@@ -110,6 +110,11 @@ struct MegaParams {
   /// GEMV rows on the tensor cores (matrices whose width is a multiple of 256): one MMA per 128
   /// weights instead of 128 FMAs per lane-chunk. 0: the per-matrix kernels' FMA order (bit-identical).
   int mma = 1;
+  /// GEMV rows as tiles on the tensor cores (with mma; row counts multiples of 4, widths of 64): a
+  /// block's groups of 4 rows, in slices of 512 weights, split evenly over its warps, each MMA 4 rows x
+  /// 64 weights (mma_tile in mega.cu), the warps' partial sums added per row in shared memory. 0: rows
+  /// one (or two) at a time per warp, 8 segment sums on an MMA's diagonal.
+  int tiles = 0;
   /// The producer lanes issue their bulk copies one lane at a time (QWEN_MEGA_SERIAL_ISSUE=1) instead
   /// of together: the same protocol, slower (0.6B +8%, 4B +27% on an H200), for compute-sanitizer
   /// racecheck, which attributes a copy that several lanes issue in one instruction to one of
@@ -123,6 +128,7 @@ struct MegaParams {
   /// Weights per ring slot: 2048, or with tensor-core rows a multiple of 256 up to 4096; 0:
   /// mega_geometry picks one. Set it to the geometry's.
   int piece = 0;
+  int part_groups = 0;  ///< tiles: the geometry's part_groups (set it to the geometry's)
   /// Diagnostics (QWEN_MEGA_TRACE=1 in a build with the trace: mega_trace_built()): [grid][5 layers +
   /// 2][kMegaMarks] %globaltimer stamps per block
   /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
@@ -137,6 +143,7 @@ struct MegaGeometry {
   int slots = 0;         ///< ring slots per warp
   int piece = 0;         ///< weights per slot
   int slot_bytes = 0;    ///< bytes of one slot
+  int part_groups = 0;   ///< tiles: row groups per warp whose partial sums shared memory holds
   std::size_t smem = 0;  ///< dynamic shared memory per block
   int grid = 0;          ///< blocks: one per SM
 };

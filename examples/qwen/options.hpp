@@ -69,6 +69,7 @@ struct EngineOptions {
   int mega_attn_heads = 0;                   ///< persistent kernel: query heads per attention item (0: 1, or 2 where that splits a long context finer; 1; 2)
   int mega_attn_min_chunk = 128;             ///< persistent kernel: positions per attention chunk at least (multiple of 64)
   bool mega_mma = true;                      ///< persistent kernel: GEMV rows on the tensor cores (false: the per-matrix kernels' FMA order)
+  bool mega_tiles = true;                    ///< persistent kernel, tensor cores: rows in tiles of 4 rows (false: one row at a time per warp)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
