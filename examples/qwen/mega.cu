@@ -276,31 +276,32 @@ __device__ __forceinline__ PieceCopy cursor_piece(Cursor& c, const MegaParams& p
   return pc;
 }
 
-// Tiles (MegaParams::tiles): a GEMV's rows in groups of kTileRows; a block owns the groups
-// [row_split(b, N / 4, grid), row_split(b + 1, ...)) (gate/up: each group's gate rows and up rows, as two
-// "virtual" groups, gate first), and its items, (virtual group, slice of kTileK weights of each row),
-// group-major, are split evenly over its consumer warps. A slot holds one item: 4 rows x kTileK
-// weights, row r at r * kTileK (4 bulk copies of 1 KiB).
-constexpr int kTileRows = 4;
-constexpr int kTileK = 512;
-constexpr int kTilePiece = kTileRows * kTileK;  // weights per slot (4 KiB)
+// Tiles (MegaParams::tiles): a GEMV's rows in pairs; a block owns the pairs [row_split(b, N / 2, grid),
+// row_split(b + 1, ...)) (gate/up: each pair's gate rows and up rows, as two "virtual" pairs, gate
+// first), and its items, (virtual pair, slice of PW / 2 weights of each row), pair-major, are split
+// evenly over its consumer warps. A slot holds one item: 2 rows x PW / 2 weights, row r at
+// r * PW / 2 (two bulk copies of PW bytes). Tiles of 4 rows x 512 weights (1 KiB copies) were
+// measured too, and streamed slower: docs/perf-notes.md, fifteenth round.
+constexpr int kTileRows = 2;
+constexpr int kTileBlock = 128;  // weights of a row per MMA (mma_tile); slices are multiples of it
+constexpr int kTileK2048 = 1024, kTileK2560 = 1280;  // weights of a row per slot of 2048 or 2560
 
-/// The block's share of a GEMV in tiles: real groups [rg0, rg0 + nrg), S slices per row, `halves`
-/// virtual groups per real group, I items.
+/// The block's share of a GEMV in tiles of tile_k weights per row: pairs [rg0, rg0 + nrg), S slices
+/// per row, `halves` virtual pairs per pair, I items.
 struct TileSplit {
   int rg0, nrg, S, halves, I;
 };
-__device__ __forceinline__ TileSplit tile_split(const MegaGemv& m, int halves, int block, int grid) {
+__device__ __forceinline__ TileSplit tile_split(const MegaGemv& m, int halves, int block, int grid, int tile_k) {
   const int NG = m.N / kTileRows;
   const int rg0 = row_split(block, NG, grid), rg1 = row_split(block + 1, NG, grid);
-  const int S = (m.K + kTileK - 1) / kTileK;
+  const int S = (m.K + tile_k - 1) / tile_k;
   return {rg0, rg1 - rg0, S, halves, (rg1 - rg0) * halves * S};
 }
 
 /// A producer lane's position in its warp's stream of tiles: GEMV j, item i of [i, i1), which is
-/// slice sl of virtual group vg (counted along, no divisions per piece).
+/// slice sl of virtual pair vg (counted along, no divisions per piece); tk weights per row and slot.
 struct TileCursor {
-  int j, i, i1, vg, sl;
+  int j, i, i1, vg, sl, tk;
   TileSplit t;
   MegaGemv m;
 };
@@ -308,7 +309,7 @@ __device__ __forceinline__ void tile_seek(TileCursor& c, const MegaParams& p, co
                                           int warp) {
   for (; c.j <= 4 * p.num_layers; ++c.j) {
     c.m = gemv_of(p, layers, c.j);
-    c.t = tile_split(c.m, gemv_halves(p, c.j), block, gridDim.x);
+    c.t = tile_split(c.m, gemv_halves(p, c.j), block, gridDim.x, c.tk);
     c.i = row_split(warp, c.t.I, kMW);
     c.i1 = row_split(warp + 1, c.t.I, kMW);
     if (c.i < c.i1) {
@@ -323,13 +324,13 @@ __device__ __forceinline__ PieceCopy tile_piece(TileCursor& c, const MegaParams&
   PieceCopy pc;
   if (c.j > 4 * p.num_layers) return pc;
   const int half = c.t.halves == 2 ? c.vg & 1 : 0, rg = c.t.rg0 + (c.t.halves == 2 ? c.vg >> 1 : c.vg);
-  const int k0 = c.sl * kTileK;
-  pc.dst = ring + std::size_t(s) * kTilePiece;
+  const int k0 = c.sl * c.tk;
+  pc.dst = ring + std::size_t(s) * kTileRows * c.tk;
   pc.src = c.m.W + (std::size_t(half) * c.m.N + std::size_t(rg) * kTileRows) * c.m.K + k0;
-  pc.bytes = static_cast<unsigned>(min(kTileK, c.m.K - k0)) * sizeof(bf16);
+  pc.bytes = static_cast<unsigned>(min(c.tk, c.m.K - k0)) * sizeof(bf16);
   pc.rows = kTileRows;
   pc.src_stride = static_cast<std::size_t>(c.m.K);
-  pc.dst_stride = kTileK;
+  pc.dst_stride = c.tk;
   if (++c.sl == c.t.S) c.sl = 0, ++c.vg;
   if (++c.i == c.i1) {
     ++c.j;
@@ -501,20 +502,18 @@ __device__ __forceinline__ void mma_chunk(const bf16* const (&w)[NR], const bf16
     }
   }
 }
-/// c += one 64-weight block of a tile (4 rows x 64 weights) times x, on the tensor cores (MegaParams::tiles).
-/// Lane L = 4 g + t holds `a`, the 16 bytes at weights 8 (L % 8) .. + 7 of tile row L / 8 (k = 32 s + 8 t
-/// + e within the block, s = g % 2), and `xb`, x at k = 32 s + 8 t + 4 h .. + 3 (h = g / 4 % 2).
-/// Relabelling k as (window s + 2 (e / 4), position 2 t + e % 2 + 8 (e / 2 % 2)) makes A's row m tile
-/// row m % 8 / 2 over window m % 2 + 2 (m / 8), and B's column n x over window n % 2 + 2 (n / 4 % 2):
-/// C[m][n] with matching windows is a 16-weight dot product, and row r's four windows land in
-/// C[2r][0], C[2r + 1][1], C[2r + 8][4], C[2r + 9][5]: lanes 8r (c0), 8r + 4 (c1), 8r + 2 (c2) and
-/// 8r + 6 (c3). 256 weights per MMA, every shared-memory load conflict-free, nothing zero.
-__device__ __forceinline__ void mma_tile(float (&c)[4], const uint4& a, const uint2& xb) {
+/// c += one 128-weight block of a tile of 2 rows times x (MegaParams::tiles), on the tensor cores:
+/// 256 weights per MMA, nothing zero. Lane L = 4 g + t holds r0 and r1, the 8 bytes at weight 4 L of
+/// each row's block, and xb, x there (every shared-memory load conflict-free). Relabelling the block's
+/// k = 16 g + 4 t + e as (window g, position 2 t + e % 2 + 8 (e / 2)) makes A's row m tile row m / 8
+/// over window m % 8 and B's column n x over window n, so C[w][w] holds row 0's window sums and
+/// C[8 + w][w] row 1's: lane 4 w + w / 2, registers w % 2 and 2 + w % 2.
+__device__ __forceinline__ void mma_tile(float (&c)[4], const uint2& r0, const uint2& r1, const uint2& xb) {
   asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a.x), "r"(a.z), "r"(a.y), "r"(a.w), "r"(xb.x), "r"(xb.y));
+      : "r"(r0.x), "r"(r1.x), "r"(r0.y), "r"(r1.y), "r"(xb.x), "r"(xb.y));
 }
 /// This lane's share of the row sum: C[g][g] if it holds it (lane (g, g / 2), register g % 2), else 0;
 /// a warp_sum of it is the row's dot product.
@@ -561,11 +560,11 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   const int j = KIND == kLmHead ? 4 * p.num_layers : 4 * l + KIND;
   const MegaGemv m = gemv_of(p, st.layers, j);
   const int N = m.N, K = m.K;
-  // The block's rows [b0, b1) (tiles: whole groups of kTileRows), the warp's [r0, r1) (rows, not tiles).
+  // The block's rows [b0, b1) (tiles: whole pairs), the warp's [r0, r1) (rows, not tiles).
   TileSplit ts{};
   int r0 = 0, r1 = 0, b0, b1;
   if constexpr (TILES) {
-    ts = tile_split(m, R, blockIdx.x, gridDim.x);
+    ts = tile_split(m, R, blockIdx.x, gridDim.x, PW / kTileRows);
     b0 = ts.rg0 * kTileRows, b1 = b0 + ts.nrg * kTileRows;
   } else {
     r0 = row_split(st.g, N, st.GW), r1 = row_split(st.g + 1, N, st.GW);
@@ -614,38 +613,37 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
 
   if constexpr (TILES) {
     // Each warp's items (tile_split), then one thread per row of the block adds the warps' partial sums.
+    constexpr int TK = PW / kTileRows;  // weights of a row per slot
     const int S = ts.S, I = ts.I, JM = st.part_groups, lane = st.lane;
     const int i0 = row_split(st.warp, I, kMW), i1 = row_split(st.warp + 1, I, kMW), jb = i0 / S;
-    // Lane L reads the 16 bytes at (row L / 8, chunk L % 8) of every 64-weight block of the slot, and
-    // the 8 bytes of x that mma_tile pairs with them.
-    const bf16* const rbase = ring.base + (lane >> 3) * kTileK + (lane & 7) * 8;
-    const bf16* const xl = st.xs + ((lane >> 2) & 1) * 32 + (lane & 3) * 8 + ((lane >> 4) & 1) * 4;
+    // Lane L reads the 8 bytes at weight 4 L of every 128-weight block of each row, and of x (mma_tile).
+    const bf16* const rbase = ring.base + lane * 4;
+    const bf16* const xl = st.xs + lane * 4;
     float* const part = st.part + st.warp * JM * kTileRows;
     int rs = ring.s;
     unsigned rpar = ring.parity;
     float c[4] = {0.f, 0.f, 0.f, 0.f};
     int gl = jb, sl = i0 - jb * S;
-    // The warp's sums of its current group's 4 rows: row r's four window sums sit in lanes 8r, 8r + 2,
-    // 8r + 4, 8r + 6 (mma_tile); two shuffles add them into lane 8r.
+    // The warp's sums of its current pair's rows (lane 0): warp sums of the diagonals (mma_tile).
     auto flush = [&] {
-      float v = (lane >> 2) & 1 ? ((lane & 2) ? c[3] : c[1]) : ((lane & 2) ? c[2] : c[0]);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      if ((lane & 7) == 0) part[(gl - jb) * kTileRows + (lane >> 3)] = v;
+      const bool diag = (lane & 3) == (lane >> 3), odd = (lane >> 2) & 1;
+      const float v0 = warp_sum(diag ? (odd ? c[1] : c[0]) : 0.f), v1 = warp_sum(diag ? (odd ? c[3] : c[2]) : 0.f);
+      if (lane == 0) part[(gl - jb) * kTileRows] = v0, part[(gl - jb) * kTileRows + 1] = v1;
     };
     RowProf prof;
     prof.start();
     for (int i = i0; i < i1; ++i) {
       st.slot_wait(ring.bars + rs, rpar, rs, trace_phase);
       prof.lap(prof.wait);
-      const int k0 = sl * kTileK, nb = min(kTileK, K - k0) >> 6;
-      const bf16* const w = rbase + std::size_t(rs) * kTilePiece;
+      const int k0 = sl * TK, nb = min(TK, K - k0) / kTileBlock;
+      const bf16* const w = rbase + std::size_t(rs) * PW;
 #pragma unroll
-      for (int b = 0; b < kTileK / 64; ++b) {
+      for (int b = 0; b < TK / kTileBlock; ++b) {
         if (b < nb) {
-          const uint4 a = *reinterpret_cast<const uint4*>(w + b * 64);
-          const uint2 xb = *reinterpret_cast<const uint2*>(xl + k0 + b * 64);
-          mma_tile(c, a, xb);
+          const uint2 xb = *reinterpret_cast<const uint2*>(xl + k0 + b * kTileBlock);
+          const uint2 r0 = *reinterpret_cast<const uint2*>(w + b * kTileBlock);
+          const uint2 r1 = *reinterpret_cast<const uint2*>(w + TK + b * kTileBlock);
+          mma_tile(c, r0, r1, xb);
         }
       }
       mbar_arrive(ring.empty + rs);
@@ -671,11 +669,11 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < kMW; ++w)
-        if (wg[w].x <= vg && vg < wg[w].y) v += st.part[(w * JM + vg - wg[w].x) * kTileRows + (e & 3)];
+        if (wg[w].x <= vg && vg < wg[w].y) v += st.part[(w * JM + vg - wg[w].x) * kTileRows + e % kTileRows];
       return v;
     };
     for (int e = st.tid; e < b1 - b0; e += kCThreads) {
-      const int n = b0 + e, vg = e / kTileRows * R;
+      const int n = b0 + e, vg = e / kTileRows * R;  // (row_sum takes e % kTileRows)
       const float a0 = row_sum(vg, e);
       if constexpr (KIND == kQkv) {
         st_word(p.qkv + n, a0, out_tag);
@@ -1161,7 +1159,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
                         unsigned long long (*full)[kMaxRingSlots], unsigned long long (*empty)[kMaxRingSlots], int S,
                         int lane) {
   const int GW = gridDim.x * kMW, g = blockIdx.x * kMW + lane, end = 4 * p.num_layers;
-  const int piece = TILES ? kTilePiece : PW != 0 ? PW : p.piece;
+  const int piece = PW != 0 ? PW : p.piece;
   const unsigned long long pol = evict_first_policy();
   const bool serial = p.serial_issue != 0;
   bool active = lane < kMW;
@@ -1170,7 +1168,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   bf16* base = nullptr;
   if (active) {
     base = reinterpret_cast<bf16*>(smem) + std::size_t(lane) * S * piece;
-    if constexpr (TILES) tc.j = 0, tile_seek(tc, p, layers, blockIdx.x, lane);
+    if constexpr (TILES) tc.j = 0, tc.tk = piece / kTileRows, tile_seek(tc, p, layers, blockIdx.x, lane);
     else c.j = 0, cursor_seek(c, p, layers, g, GW, piece);
   }
   auto next = [&](int s) {
@@ -1200,10 +1198,10 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
 }
 
 /// PW: weights per ring slot, or 0 for MegaParams::piece (a run-time value cost the 0.6B step 1.5%).
-/// TILES: GEMV rows as tiles (MegaParams::tiles; MMA and PW = kTilePiece).
+/// TILES: GEMV rows as tiles (MegaParams::tiles; MMA, and PW 2048 or 2560).
 template <int D, int G, bool MMA, int PW, bool TILES>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
-  static_assert(!TILES || (MMA && PW == kTilePiece), "tiles are tensor-core rows in 4 KiB slots");
+  static_assert(!TILES || (MMA && (PW == 2048 || PW == 2560)), "tiles are tensor-core rows in 4 or 5 KiB slots");
   constexpr int GP = pair_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long bars[kMW][kMaxRingSlots];   // full
@@ -1349,13 +1347,21 @@ using kernel_ptr = void (*)(const MegaParams);
 /// value; tiles take 2048.
 kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles) {
   constexpr int P = 2 * kChunk;
-  static_assert(P == kTilePiece, "tiles use the 2048-weight variants' slots");
   if (tiles) {
-    if (D == 64 && G == 1) return mega_kernel<64, 1, true, P, true>;
-    if (D == 64 && G == 2) return mega_kernel<64, 2, true, P, true>;
-    if (D == 128 && G == 1) return mega_kernel<128, 1, true, P, true>;
-    if (D == 128 && G == 2) return mega_kernel<128, 2, true, P, true>;
-    if (D == 128 && G == 4) return mega_kernel<128, 4, true, P, true>;
+    if (!mma) return nullptr;
+    if (piece == P) {
+      if (D == 64 && G == 1) return mega_kernel<64, 1, true, P, true>;
+      if (D == 64 && G == 2) return mega_kernel<64, 2, true, P, true>;
+      if (D == 128 && G == 1) return mega_kernel<128, 1, true, P, true>;
+      if (D == 128 && G == 2) return mega_kernel<128, 2, true, P, true>;
+      if (D == 128 && G == 4) return mega_kernel<128, 4, true, P, true>;
+    } else if (piece == 2560) {
+      if (D == 64 && G == 1) return mega_kernel<64, 1, true, 2560, true>;
+      if (D == 64 && G == 2) return mega_kernel<64, 2, true, 2560, true>;
+      if (D == 128 && G == 1) return mega_kernel<128, 1, true, 2560, true>;
+      if (D == 128 && G == 2) return mega_kernel<128, 2, true, 2560, true>;
+      if (D == 128 && G == 4) return mega_kernel<128, 4, true, 2560, true>;
+    }
     return nullptr;
   }
   if (piece != P) {
@@ -1406,20 +1412,36 @@ double slot_weights(const MegaParams& p, int piece) {
   add(head, p.vocab, p.hidden, 1);
   return layer * p.num_layers + head;
 }
+/// Slot weights a step's tiles take with tk weights per row and slot (a row's last slice may fill its
+/// slot partly).
+double tile_slot_weights(const MegaParams& p, int tk) {
+  auto rows = [tk](double n, int K) { return n * ((K + tk - 1) / tk) * double(tk); };
+  const double layer = rows(p.q_dim + 2.0 * p.kv_dim, p.hidden) + rows(p.hidden, p.q_dim) +
+                       rows(2.0 * p.intermediate, p.hidden) + rows(p.hidden, p.intermediate);
+  return layer * p.num_layers + rows(p.vocab, p.hidden);
+}
+
 }  // namespace
 
 bool mega_trace_built() { return QWEN_MEGA_TRACE_BUILD != 0; }
+
+bool mega_tiles_fit(const MegaParams& p) {
+  for (int n : {p.hidden, p.q_dim + 2 * p.kv_dim, p.intermediate, p.vocab})
+    if (n % kTileRows != 0) return false;
+  for (int k : {p.hidden, p.q_dim, p.intermediate})
+    if (k % kTileBlock != 0) return false;
+  return true;
+}
 
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms) {
   const bool tiles = p.tiles != 0;
   const kernel_ptr k0 = pick(head_dim, group, p.mma != 0, 2 * kChunk, tiles);
   if (k0 == nullptr)
     throw replay::usage_error("qwen::mega_geometry: shape not supported by the persistent kernel");
-  if (tiles && (p.hidden % kTileRows != 0 || (p.q_dim + 2 * p.kv_dim) % kTileRows != 0 ||
-                p.intermediate % kTileRows != 0 || p.vocab % kTileRows != 0 || p.hidden % 64 != 0 ||
-                p.q_dim % 64 != 0 || p.intermediate % 64 != 0))
-    throw replay::usage_error(
-        "qwen::mega_geometry: tiles need row counts that are multiples of 4 and widths that are multiples of 64");
+  if (tiles && !mega_tiles_fit(p))
+    throw replay::usage_error(fmt::format("qwen::mega_geometry: tiles need row counts that are multiples of {} and "
+                                          "widths that are multiples of {}",
+                                          kTileRows, kTileBlock));
   if (p.mma != 0 && (p.hidden % 256 != 0 || p.q_dim % 256 != 0 || p.intermediate % 256 != 0))
     throw replay::usage_error("qwen::mega_geometry: tensor-core rows need matrix widths that are multiples of 256");
   if (p.hidden % 8 != 0 || p.q_dim % 8 != 0 || p.intermediate % 8 != 0)
@@ -1445,16 +1467,19 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   REPLAY_CHECK(cudaFuncGetAttributes(&fa, k0));  // (every variant has the same static shared memory)
   // Tiles: groups a warp's items touch at most (tile_split: at most ceil(items per warp / S) + 1), over
   // the step's GEMVs; their partial sums follow the staging in the work area.
+  // (The larger count of the two slot sizes, chosen below.)
   int part_groups = 0;
   if (tiles) {
-    auto groups = [&](int N, int K, int halves) {
-      const int per_block = (N / kTileRows + num_sms - 1) / num_sms * halves, S = (K + kTileK - 1) / kTileK;
-      const int per_warp = (per_block * S + kMW - 1) / kMW;
-      return (per_warp + S - 1) / S + 1;
-    };
-    part_groups = std::max({groups(p.q_dim + 2 * p.kv_dim, p.hidden, 1), groups(p.hidden, p.q_dim, 1),
-                            groups(p.intermediate, p.hidden, 2), groups(p.hidden, p.intermediate, 1),
-                            groups(p.vocab, p.hidden, 1)});
+    for (int tk : {kTileK2048, kTileK2560}) {
+      auto groups = [&](int N, int K, int halves) {
+        const int per_block = (N / kTileRows + num_sms - 1) / num_sms * halves, S = (K + tk - 1) / tk;
+        const int per_warp = (per_block * S + kMW - 1) / kMW;
+        return (per_warp + S - 1) / S + 1;
+      };
+      part_groups = std::max({part_groups, groups(p.q_dim + 2 * p.kv_dim, p.hidden, 1), groups(p.hidden, p.q_dim, 1),
+                              groups(p.intermediate, p.hidden, 2), groups(p.hidden, p.intermediate, 1),
+                              groups(p.vocab, p.hidden, 1)});
+    }
   }
   const std::size_t part_bytes = std::size_t(kMW) * part_groups * kTileRows * sizeof(float);
   const std::size_t work =
@@ -1469,8 +1494,16 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
     return std::min<long long>(
         {avail / (kMW * piece * static_cast<long long>(sizeof(bf16))), max_slots, kMaxRingSlots});
   };
-  int piece = tiles ? kTilePiece : p.piece;
-  if (piece == 0) {
+  // Tiles likewise between 2048 and 2560 weights per slot (rows of 1024 or 1280 weights per slot).
+  int piece = p.piece;
+  if (piece == 0 && tiles) {
+    const double useful = slot_weights(p, 1);
+    double best = -1.0;
+    for (int c : {2 * kChunk, 5 * kChunk / 2}) {
+      const double score = static_cast<double>(slots_of(c)) * c * useful / tile_slot_weights(p, c / kTileRows);
+      if (score > best * 1.0001) best = score, piece = c;
+    }
+  } else if (piece == 0) {
     const double useful = slot_weights(p, 1);  // every row in slots of one weight: no waste
     double best = -1.0;
     for (int c : {2 * kChunk, 5 * kChunk / 2, 3 * kChunk}) {
@@ -1483,7 +1516,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
       pick(head_dim, group, p.mma != 0, piece, tiles) == nullptr)
     throw replay::usage_error(
         fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core rows "
-                    "a multiple of 256 in [2048, {}]",
+                    "a multiple of 256 in [2048, {}] (tiles: 2048 or 2560)",
                     piece, kMaxPiece));
   const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles);
   const long long slots = slots_of(piece);

@@ -151,6 +151,9 @@ struct MegaGeometry {
 /// Whether the persistent kernel was built with its trace (-DQWEN_MEGA_TRACE_BUILD=1, CMake option
 /// QWEN_MEGA_TRACE); without it MegaParams::trace is ignored.
 bool mega_trace_built();
+/// Whether the matrices' shapes allow tiles (MegaParams::tiles): every row count a multiple of the
+/// tile's rows, every width a multiple of the weights per row and MMA.
+bool mega_tiles_fit(const MegaParams& p);
 /// Whether the persistent kernel is built for (head_dim, query heads per kv head).
 bool mega_supported(int head_dim, int group);
 /// Attention's default split: as many chunks per context as there are blocks per query head, at most

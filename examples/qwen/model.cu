@@ -430,11 +430,8 @@ struct Engine::Impl {
     p.attn_heads = opt.mega_attn_heads;
     // Tensor-core rows need every matrix width to be a multiple of 256 (else the FMA rows).
     p.mma = opt.mega_mma && H % 256 == 0 && Q % 256 == 0 && I % 256 == 0 ? 1 : 0;
-    // Tiles where the shapes allow them (row counts multiples of 4, widths of 64), else rows.
-    p.tiles = opt.mega_mma && opt.mega_tiles && H % 64 == 0 && Q % 64 == 0 && I % 64 == 0 && H % 4 == 0 &&
-                      cfg.qkv_dim() % 4 == 0 && I % 4 == 0 && cfg.vocab_size % 4 == 0
-                  ? 1
-                  : 0;
+    // Tiles of rows on the tensor cores where the shapes allow them, else one row at a time.
+    p.tiles = p.mma != 0 && opt.mega_tiles && mega_tiles_fit(p) ? 1 : 0;
     p.logits = logits.data();
     p.keys = keys.data();
     p.block_best = mega_best.data();
@@ -454,6 +451,9 @@ struct Engine::Impl {
     p.piece = 0;
     if (const char* e = std::getenv("QWEN_MEGA_PIECE"); e != nullptr && std::atoi(e) > 0 && p.mma != 0)
       p.piece = std::atoi(e), p.tiles = 0;
+    // QWEN_MEGA_TILE_PIECE=n: n weights per slot with tiles, 2048 or 2560 (diagnostics).
+    if (const char* e = std::getenv("QWEN_MEGA_TILE_PIECE"); e != nullptr && std::atoi(e) > 0 && p.tiles != 0)
+      p.piece = std::atoi(e);
     // QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue one at a time (for racecheck; slower).
     if (const char* e = std::getenv("QWEN_MEGA_SERIAL_ISSUE"); e != nullptr && std::atoi(e) > 0) p.serial_issue = 1;
     try {
@@ -566,9 +566,9 @@ struct Engine::Impl {
                                        cfg.group_size() < 2 || mega.attn_heads == 1 ? "1 query head"
                                        : mega.attn_heads == 2                       ? "2 query heads"
                                                                                     : "1 query head (2 where that splits a long context finer)",
-                                       mega.attn_splits, mega.attn_min_chunk, mega.tiles != 0 ? "tensor cores, tiles of 4 rows"
-                                       : mega.mma != 0 ? "tensor cores"
-                                                       : "FMAs")
+                                       mega.attn_splits, mega.attn_min_chunk, mega.tiles != 0 ? fmt::format("tensor cores, tiles of 2 rows x {} weights", mega_geo.piece / 2)
+                                       : mega.mma != 0 ? std::string("tensor cores")
+                                                       : std::string("FMAs"))
                      : s + fmt::format(" ({}: ring kernels)", mega_off_reason.empty()
                                                                   ? std::string("shape not supported by the persistent kernel")
                                                                   : mega_off_reason);
