@@ -284,7 +284,7 @@ __device__ __forceinline__ PieceCopy cursor_piece(Cursor& c, const MegaParams& p
 // measured too, and streamed slower: docs/perf-notes.md, fifteenth round.
 constexpr int kTileRows = 2;
 constexpr int kTileBlock = 128;  // weights of a row per MMA (mma_tile); slices are multiples of it
-constexpr int kTileK2048 = 1024, kTileK2560 = 1280;  // weights of a row per slot of 2048 or 2560
+constexpr int kTilePieces[] = {2048, 2560, 5120};  // weights per slot (a kernel variant each)
 
 /// The block's share of a GEMV in tiles of tile_k weights per row: pairs [rg0, rg0 + nrg), S slices
 /// per row, `halves` virtual pairs per pair, I items.
@@ -331,6 +331,7 @@ __device__ __forceinline__ PieceCopy tile_piece(TileCursor& c, const MegaParams&
   pc.rows = kTileRows;
   pc.src_stride = static_cast<std::size_t>(c.m.K);
   pc.dst_stride = c.tk;
+  if (c.tk == c.m.K) pc.rows = 1, pc.bytes *= kTileRows;  // whole rows: the pair is one contiguous copy
   if (++c.sl == c.t.S) c.sl = 0, ++c.vg;
   if (++c.i == c.i1) {
     ++c.j;
@@ -1201,7 +1202,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
 /// TILES: GEMV rows as tiles (MegaParams::tiles; MMA, and PW 2048 or 2560).
 template <int D, int G, bool MMA, int PW, bool TILES>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
-  static_assert(!TILES || (MMA && (PW == 2048 || PW == 2560)), "tiles are tensor-core rows in 4 or 5 KiB slots");
+  static_assert(!TILES || (MMA && (PW == 2048 || PW == 2560 || PW == 5120)), "tiles: slots of 4, 5 or 10 KiB");
   constexpr int GP = pair_heads(G);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ unsigned long long bars[kMW][kMaxRingSlots];   // full
@@ -1361,6 +1362,12 @@ kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles) {
       if (D == 128 && G == 1) return mega_kernel<128, 1, true, 2560, true>;
       if (D == 128 && G == 2) return mega_kernel<128, 2, true, 2560, true>;
       if (D == 128 && G == 4) return mega_kernel<128, 4, true, 2560, true>;
+    } else if (piece == 5120) {
+      if (D == 64 && G == 1) return mega_kernel<64, 1, true, 5120, true>;
+      if (D == 64 && G == 2) return mega_kernel<64, 2, true, 5120, true>;
+      if (D == 128 && G == 1) return mega_kernel<128, 1, true, 5120, true>;
+      if (D == 128 && G == 2) return mega_kernel<128, 2, true, 5120, true>;
+      if (D == 128 && G == 4) return mega_kernel<128, 4, true, 5120, true>;
     }
     return nullptr;
   }
@@ -1467,10 +1474,11 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   REPLAY_CHECK(cudaFuncGetAttributes(&fa, k0));  // (every variant has the same static shared memory)
   // Tiles: groups a warp's items touch at most (tile_split: at most ceil(items per warp / S) + 1), over
   // the step's GEMVs; their partial sums follow the staging in the work area.
-  // (The larger count of the two slot sizes, chosen below.)
+  // (The largest count over the tile slot sizes; the size is chosen below.)
   int part_groups = 0;
   if (tiles) {
-    for (int tk : {kTileK2048, kTileK2560}) {
+    for (int piece : kTilePieces) {
+      const int tk = piece / kTileRows;
       auto groups = [&](int N, int K, int halves) {
         const int per_block = (N / kTileRows + num_sms - 1) / num_sms * halves, S = (K + tk - 1) / tk;
         const int per_warp = (per_block * S + kMW - 1) / kMW;
@@ -1512,11 +1520,11 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
       if (score > best * 1.0001) best = score, piece = c;
     }
   }
-  if (piece < 2 * kChunk || piece > kMaxPiece || piece % 256 != 0 ||
+  if (piece < 2 * kChunk || (piece > kMaxPiece && !tiles) || piece % 256 != 0 ||
       pick(head_dim, group, p.mma != 0, piece, tiles) == nullptr)
     throw replay::usage_error(
         fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core rows "
-                    "a multiple of 256 in [2048, {}] (tiles: 2048 or 2560)",
+                    "a multiple of 256 in [2048, {}] (tiles: 2048, 2560 or 5120)",
                     piece, kMaxPiece));
   const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles);
   const long long slots = slots_of(piece);
