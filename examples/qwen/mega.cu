@@ -331,7 +331,6 @@ __device__ __forceinline__ PieceCopy tile_piece(TileCursor& c, const MegaParams&
   pc.rows = kTileRows;
   pc.src_stride = static_cast<std::size_t>(c.m.K);
   pc.dst_stride = c.tk;
-  if (c.tk == c.m.K) pc.rows = 1, pc.bytes *= kTileRows;  // whole rows: the pair is one contiguous copy
   if (++c.sl == c.t.S) c.sl = 0, ++c.vg;
   if (++c.i == c.i1) {
     ++c.j;

@@ -27,9 +27,12 @@
 // it before the next version can be written (each write depends, through the phase chain, on all
 // reads of the previous version), so one buffer per activation suffices.
 //
-// GEMV rows run on the tensor cores by default (MegaParams::mma): each 1024-wide chunk of a row is
-// 8 m16n8k16 MMAs whose diagonal holds the row's 8 segment sums (mega.cu, mma_chunk); rows of at
-// most 1024 weights are packed two to a slot. With mma = 0 the rows use the per-matrix kernels'
+// GEMV rows run on the tensor cores by default, in tiles (MegaParams::tiles): a block owns whole
+// pairs of rows, a ring slot holds 2 rows x 1024 (or 1280) weights, each MMA takes 2 rows x 128
+// weights (mega.cu, mma_tile), and the block adds its warps' partial sums per row in warp order.
+// Without tiles (MegaParams::mma alone) a warp takes rows one at a time: each 1024-wide chunk of a
+// row is 8 m16n8k16 MMAs whose diagonal holds the row's 8 segment sums (mma_chunk); rows of at most
+// 1024 weights are packed two to a slot. With mma = 0 the rows use the per-matrix kernels'
 // arithmetic (x rounded to bf16, the same per-lane FMA order as the pipelined and ring GEMVs), and
 // with the same attention code path and split the logits are bit-identical to the `ring` kernels'.
 //
