@@ -239,7 +239,7 @@ __device__ __forceinline__ void cursor_next(Cursor& c, const MegaParams& p, cons
   cursor_seek(c, p, layers, g, GW, piece);
 }
 /// One ring slot's bulk copies: `rows` copies of `bytes` each, the r-th from src + r * src_stride to
-/// dst + r * dst_stride (a packed gate/up slot: the gate row and its up row; a tile: its 4 rows);
+/// dst + r * dst_stride (a packed gate/up slot: the gate row and its up row; a tile: its 2 rows);
 /// bytes == 0: none (the stream has ended).
 struct PieceCopy {
   bf16* dst = nullptr;

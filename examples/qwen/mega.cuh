@@ -113,10 +113,10 @@ struct MegaParams {
   /// GEMV rows on the tensor cores (matrices whose width is a multiple of 256): one MMA per 128
   /// weights instead of 128 FMAs per lane-chunk. 0: the per-matrix kernels' FMA order (bit-identical).
   int mma = 1;
-  /// GEMV rows as tiles on the tensor cores (with mma; row counts multiples of 4, widths of 64): a
-  /// block's groups of 4 rows, in slices of 512 weights, split evenly over its warps, each MMA 4 rows x
-  /// 64 weights (mma_tile in mega.cu), the warps' partial sums added per row in shared memory. 0: rows
-  /// one (or two) at a time per warp, 8 segment sums on an MMA's diagonal.
+  /// GEMV rows as tiles on the tensor cores (with mma; mega_tiles_fit): a block's pairs of rows, in
+  /// slices of piece / 2 weights, split evenly over its warps, each MMA 2 rows x 128 weights (mma_tile
+  /// in mega.cu), the warps' partial sums added per row in shared memory in warp order. 0: rows one
+  /// (or two) at a time per warp, 8 segment sums on an MMA's diagonal.
   int tiles = 0;
   /// The producer lanes issue their bulk copies one lane at a time (QWEN_MEGA_SERIAL_ISSUE=1) instead
   /// of together: the same protocol, slower (0.6B +8%, 4B +27% on an H200), for compute-sanitizer
@@ -146,7 +146,7 @@ struct MegaGeometry {
   int slots = 0;         ///< ring slots per warp
   int piece = 0;         ///< weights per slot
   int slot_bytes = 0;    ///< bytes of one slot
-  int part_groups = 0;   ///< tiles: row groups per warp whose partial sums shared memory holds
+  int part_groups = 0;   ///< tiles: row pairs per warp whose partial sums shared memory holds
   std::size_t smem = 0;  ///< dynamic shared memory per block
   int grid = 0;          ///< blocks: one per SM
 };
