@@ -660,7 +660,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     // The warp's groups [jb, gl) (none: jb = gl), for the epilogue.
     if (lane == 0) st.groups[st.warp] = make_int2(jb, i0 < i1 ? gl : jb);
     consumer_sync();  // every warp's partial sums are in st.part
-    // Row e % 4 of the block's virtual group vg: the partial sums of the warps that hold a slice of
+    // Row e % kTileRows of the block's virtual group vg: the partial sums of the warps that hold a slice of
     // it, in warp order (the same order every step).
     int2 wg[kMW];
 #pragma unroll
