@@ -1342,49 +1342,30 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
 using kernel_ptr = void (*)(const MegaParams);
 
+/// The variant of mega_kernel<D, G, MMA, PW, TILES> for (head_dim, query heads per kv head).
+template <bool MMA, int PW, bool TILES>
+kernel_ptr by_shape(int D, int G) {
+  if (D == 64 && G == 1) return mega_kernel<64, 1, MMA, PW, TILES>;
+  if (D == 64 && G == 2) return mega_kernel<64, 2, MMA, PW, TILES>;
+  if (D == 128 && G == 1) return mega_kernel<128, 1, MMA, PW, TILES>;
+  if (D == 128 && G == 2) return mega_kernel<128, 2, MMA, PW, TILES>;
+  if (D == 128 && G == 4) return mega_kernel<128, 4, MMA, PW, TILES>;
+  return nullptr;
+}
 /// The kernel for (head_dim, query heads per kv head, tensor-core rows, weights per slot, tiles):
 /// slots of 2048 weights are a compile-time constant; other sizes (tensor-core rows only) a run-time
-/// value; tiles take 2048.
+/// value; tiles take 2048, 2560 or 5120 (a variant each).
 kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles) {
   constexpr int P = 2 * kChunk;
   if (tiles) {
     if (!mma) return nullptr;
-    if (piece == P) {
-      if (D == 64 && G == 1) return mega_kernel<64, 1, true, P, true>;
-      if (D == 64 && G == 2) return mega_kernel<64, 2, true, P, true>;
-      if (D == 128 && G == 1) return mega_kernel<128, 1, true, P, true>;
-      if (D == 128 && G == 2) return mega_kernel<128, 2, true, P, true>;
-      if (D == 128 && G == 4) return mega_kernel<128, 4, true, P, true>;
-    } else if (piece == 2560) {
-      if (D == 64 && G == 1) return mega_kernel<64, 1, true, 2560, true>;
-      if (D == 64 && G == 2) return mega_kernel<64, 2, true, 2560, true>;
-      if (D == 128 && G == 1) return mega_kernel<128, 1, true, 2560, true>;
-      if (D == 128 && G == 2) return mega_kernel<128, 2, true, 2560, true>;
-      if (D == 128 && G == 4) return mega_kernel<128, 4, true, 2560, true>;
-    } else if (piece == 5120) {
-      if (D == 64 && G == 1) return mega_kernel<64, 1, true, 5120, true>;
-      if (D == 64 && G == 2) return mega_kernel<64, 2, true, 5120, true>;
-      if (D == 128 && G == 1) return mega_kernel<128, 1, true, 5120, true>;
-      if (D == 128 && G == 2) return mega_kernel<128, 2, true, 5120, true>;
-      if (D == 128 && G == 4) return mega_kernel<128, 4, true, 5120, true>;
-    }
+    if (piece == P) return by_shape<true, P, true>(D, G);
+    if (piece == 2560) return by_shape<true, 2560, true>(D, G);
+    if (piece == 5120) return by_shape<true, 5120, true>(D, G);
     return nullptr;
   }
-  if (piece != P) {
-    if (!mma) return nullptr;
-    if (D == 64 && G == 1) return mega_kernel<64, 1, true, 0, false>;
-    if (D == 64 && G == 2) return mega_kernel<64, 2, true, 0, false>;
-    if (D == 128 && G == 1) return mega_kernel<128, 1, true, 0, false>;
-    if (D == 128 && G == 2) return mega_kernel<128, 2, true, 0, false>;
-    if (D == 128 && G == 4) return mega_kernel<128, 4, true, 0, false>;
-    return nullptr;
-  }
-  if (D == 64 && G == 1) return mma ? mega_kernel<64, 1, true, P, false> : mega_kernel<64, 1, false, P, false>;
-  if (D == 64 && G == 2) return mma ? mega_kernel<64, 2, true, P, false> : mega_kernel<64, 2, false, P, false>;
-  if (D == 128 && G == 1) return mma ? mega_kernel<128, 1, true, P, false> : mega_kernel<128, 1, false, P, false>;
-  if (D == 128 && G == 2) return mma ? mega_kernel<128, 2, true, P, false> : mega_kernel<128, 2, false, P, false>;
-  if (D == 128 && G == 4) return mma ? mega_kernel<128, 4, true, P, false> : mega_kernel<128, 4, false, P, false>;
-  return nullptr;
+  if (piece != P) return mma ? by_shape<true, 0, false>(D, G) : nullptr;
+  return mma ? by_shape<true, P, false>(D, G) : by_shape<false, P, false>(D, G);
 }
 std::size_t scratch(int D, int G) {
   if (D == 64 && G == 1) return attention_scratch<64, 1>();
