@@ -1162,6 +1162,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   const int piece = PW != 0 ? PW : p.piece;
   const unsigned long long pol = evict_first_policy();
   const bool serial = p.serial_issue != 0;
+  const unsigned pace = static_cast<unsigned>(p.pace_ns);
   bool active = lane < kMW;
   Cursor c{};
   TileCursor tc{};
@@ -1194,6 +1195,7 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
       active = more();
     }
     if (!__any_sync(0xffffffffu, ready)) __nanosleep(32);
+    else if (pace > 0) __nanosleep(pace);  // (MegaParams::pace_ns)
   }
 }
 
@@ -1241,6 +1243,11 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   st.phases = 5u * static_cast<unsigned>(p.num_layers) + 2u;
   st.trace = p.trace;
   const int piece = PW != 0 ? PW : p.piece;
+  if (QWEN_MEGA_TRACE_BUILD && st.trace != nullptr && tid == 0) {  // the block's SM (phase 0's marks are free)
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    st.trace[std::size_t(blockIdx.x) * st.phases * kMegaMarks] = sm + 1ull;
+  }
   st.work = smem + std::size_t(kMW) * S * piece * sizeof(bf16);
   st.xs = reinterpret_cast<bf16*>(st.work);
   // xf (the residual row) is only used by the phases with an RMSNorm, whose x has `hidden` values: it
@@ -1533,6 +1540,7 @@ void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometr
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
   if (p.slots != g.slots || p.piece != g.piece || p.part_groups != g.part_groups)
     throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
+  if (p.pace_ns < 0 || p.pace_ns > 1000000) throw replay::usage_error("qwen::launch_mega: pace_ns must be in 0..1000000");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(g.grid);
   cfg.blockDim = dim3(kMThreads);

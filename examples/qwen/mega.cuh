@@ -123,6 +123,13 @@ struct MegaParams {
   /// racecheck, which attributes a copy that several lanes issue in one instruction to one of
   /// them and reports the other lanes' rings' reads as hazards (probes/raceprobe.cu).
   int serial_issue = 0;
+  /// The producer warp pauses this many ns (__nanosleep) after every round of its loop that issued
+  /// copies, so that the lanes whose slots free up meanwhile are refilled together (0: no pause).
+  /// Without it the SMs' weight streams ran at uneven rates, different SMs slow in each phase (in a
+  /// GEMV phase the slowest block finished 17% after the median one), and every phase waits for its
+  /// slowest block. H100, 4B: 100 ns 2.93-2.95 ms against 3.02-3.04; 0.6B unchanged
+  /// (docs/perf-notes.md, sixteenth round).
+  int pace_ns = 100;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key

@@ -456,6 +456,8 @@ struct Engine::Impl {
       p.piece = std::atoi(e);
     // QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue one at a time (for racecheck; slower).
     if (const char* e = std::getenv("QWEN_MEGA_SERIAL_ISSUE"); e != nullptr && std::atoi(e) > 0) p.serial_issue = 1;
+    // QWEN_MEGA_PACE=n: the producer's pause after issuing, in ns (diagnostics; 0: none).
+    if (const char* e = std::getenv("QWEN_MEGA_PACE"); e != nullptr) p.pace_ns = std::max(0, std::atoi(e));
     try {
       mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
     } catch (const replay::usage_error& e) {  // e.g. too little shared memory: the ring kernels serve bucket 1
@@ -547,6 +549,47 @@ struct Engine::Impl {
         s += fmt::format("\n             (attention, after staging: pass over the positions done {:5.2f} us, cross-warp "
                          "state shared {:5.2f}, own chunk written {:5.2f}; the rest merges the chunks)",
                          median(pass), median(shared), median(own));
+    }
+    // Balance over blocks: each block's rows time per GEMV kind, relative to the phase's median block,
+    // averaged over layers; and how often the slowest tenth of blocks of one layer is among the slowest
+    // tenth of the next (1: the same SMs are slow every layer; 0.1: chance).
+    for (int k : {0, 2, 3, 4}) {
+      std::vector<double> rel(grid, 0.0);
+      std::vector<std::vector<int>> slow;
+      int layers_seen = 0;
+      for (int ph = 1; ph < P - 1; ++ph) {
+        if ((ph - 1) % 5 != k) continue;
+        std::vector<double> rw(grid, 0.0);
+        for (int b = 0; b < grid; ++b) rw[b] = at(b, ph, 1) > 0 ? at(b, ph, 2) - at(b, ph, 1) : 0.0;
+        const double med = median(rw);
+        if (med <= 0) continue;
+        ++layers_seen;
+        for (int b = 0; b < grid; ++b) rel[b] += rw[b] / med;
+        std::vector<int> order(grid);
+        for (int b = 0; b < grid; ++b) order[b] = b;
+        std::sort(order.begin(), order.end(), [&](int a, int b) { return rw[a] > rw[b]; });
+        order.resize(std::max(1, grid / 10));
+        slow.push_back(order);
+      }
+      if (layers_seen == 0) continue;
+      for (double& r : rel) r /= layers_seen;
+      double again = 0;
+      for (std::size_t i = 1; i < slow.size(); ++i)
+        for (int b : slow[i])
+          again += std::count(slow[i - 1].begin(), slow[i - 1].end(), b) ? 1.0 : 0.0;
+      if (slow.size() > 1) again /= double(slow.size() - 1) * slow[0].size();
+      std::vector<int> order(grid);
+      for (int b = 0; b < grid; ++b) order[b] = b;
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return rel[a] > rel[b]; });
+      std::string sl;
+      for (int i = 0; i < std::min(grid, 12); ++i)
+        sl += fmt::format(" {}/sm{}:{:.3f}", order[i], static_cast<long long>(t[std::size_t(order[i]) * P * kMegaMarks]) - 1,
+                          rel[order[i]]);
+      std::vector<double> sorted = rel;
+      std::sort(sorted.begin(), sorted.end());
+      s += fmt::format("\n  balance {:9}: block rows / median, mean over layers: min {:.3f} p10 {:.3f} p90 {:.3f} max {:.3f}; "
+                       "slowest tenth again next layer {:.2f}; slowest (block/sm:ratio){}",
+                       names[k], sorted.front(), sorted[grid / 10], sorted[grid - 1 - grid / 10], sorted.back(), again, sl);
     }
     return s + "\n";
   }
