@@ -1154,7 +1154,7 @@ std::size_t attention_scratch() {
 /// pieces at once, then each next piece as soon as the warp releases the slot it goes into. The
 /// lanes poll their "empty" barriers together (non-blocking), so one lane's wait never holds another.
 /// TILES: the stream of tiles (TileCursor), else of rows (Cursor).
-template <int PW, bool TILES>
+template <int PW, bool TILES, bool PACED>
 __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned char* smem,
                         unsigned long long (*full)[kMaxRingSlots], unsigned long long (*empty)[kMaxRingSlots], int S,
                         int lane) {
@@ -1162,7 +1162,6 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
   const int piece = PW != 0 ? PW : p.piece;
   const unsigned long long pol = evict_first_policy();
   const bool serial = p.serial_issue != 0;
-  const unsigned pace = static_cast<unsigned>(p.pace_ns);
   bool active = lane < kMW;
   Cursor c{};
   TileCursor tc{};
@@ -1195,13 +1194,15 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
       active = more();
     }
     if (!__any_sync(0xffffffffu, ready)) __nanosleep(32);
-    else if (pace > 0) __nanosleep(pace);  // (MegaParams::pace_ns)
+    else if constexpr (PACED) __nanosleep(static_cast<unsigned>(p.pace_ns));  // (MegaParams::pace_ns)
   }
 }
 
 /// PW: weights per ring slot, or 0 for MegaParams::piece (a run-time value cost the 0.6B step 1.5%).
 /// TILES: GEMV rows as tiles (MegaParams::tiles; MMA, and PW 2048 or 2560).
-template <int D, int G, bool MMA, int PW, bool TILES>
+/// PACED: the producer pauses after its rounds that issued (MegaParams::pace_ns; tiles only): a variant
+/// of its own, because the branch alone cost the H200's 4B step 2.5% where the pause is off.
+template <int D, int G, bool MMA, int PW, bool TILES, bool PACED>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
   static_assert(!TILES || (MMA && (PW == 2048 || PW == 2560 || PW == 5120)), "tiles: slots of 4, 5 or 10 KiB");
   constexpr int GP = pair_heads(G);
@@ -1259,7 +1260,7 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   st.groups = groups_s;
 
   if (warp == kMW) {  // the producer warp: the weight streams (weights never depend on activations)
-    produce<PW, TILES>(p, st.layers, smem, bars, empty, S, lane);
+    produce<PW, TILES, PACED>(p, st.layers, smem, bars, empty, S, lane);
   } else {
   Ring ring{reinterpret_cast<bf16*>(smem) + std::size_t(warp) * S * piece, bars[warp], empty[warp], S};
 
@@ -1349,26 +1350,30 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
 
 using kernel_ptr = void (*)(const MegaParams);
 
-/// The variant of mega_kernel<D, G, MMA, PW, TILES> for (head_dim, query heads per kv head).
-template <bool MMA, int PW, bool TILES>
+/// The variant of mega_kernel<D, G, MMA, PW, TILES, PACED> for (head_dim, query heads per kv head).
+template <bool MMA, int PW, bool TILES, bool PACED = false>
 kernel_ptr by_shape(int D, int G) {
-  if (D == 64 && G == 1) return mega_kernel<64, 1, MMA, PW, TILES>;
-  if (D == 64 && G == 2) return mega_kernel<64, 2, MMA, PW, TILES>;
-  if (D == 128 && G == 1) return mega_kernel<128, 1, MMA, PW, TILES>;
-  if (D == 128 && G == 2) return mega_kernel<128, 2, MMA, PW, TILES>;
-  if (D == 128 && G == 4) return mega_kernel<128, 4, MMA, PW, TILES>;
+  if (D == 64 && G == 1) return mega_kernel<64, 1, MMA, PW, TILES, PACED>;
+  if (D == 64 && G == 2) return mega_kernel<64, 2, MMA, PW, TILES, PACED>;
+  if (D == 128 && G == 1) return mega_kernel<128, 1, MMA, PW, TILES, PACED>;
+  if (D == 128 && G == 2) return mega_kernel<128, 2, MMA, PW, TILES, PACED>;
+  if (D == 128 && G == 4) return mega_kernel<128, 4, MMA, PW, TILES, PACED>;
   return nullptr;
+}
+template <int PW>
+kernel_ptr tiles_by_shape(int D, int G, bool paced) {
+  return paced ? by_shape<true, PW, true, true>(D, G) : by_shape<true, PW, true, false>(D, G);
 }
 /// The kernel for (head_dim, query heads per kv head, tensor-core rows, weights per slot, tiles):
 /// slots of 2048 weights are a compile-time constant; other sizes (tensor-core rows only) a run-time
-/// value; tiles take 2048, 2560 or 5120 (a variant each).
-kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles) {
+/// value; tiles take 2048, 2560 or 5120 (a variant each, paced or not: MegaParams::pace_ns).
+kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles, bool paced = false) {
   constexpr int P = 2 * kChunk;
   if (tiles) {
     if (!mma) return nullptr;
-    if (piece == P) return by_shape<true, P, true>(D, G);
-    if (piece == 2560) return by_shape<true, 2560, true>(D, G);
-    if (piece == 5120) return by_shape<true, 5120, true>(D, G);
+    if (piece == P) return tiles_by_shape<P>(D, G, paced);
+    if (piece == 2560) return tiles_by_shape<2560>(D, G, paced);
+    if (piece == 5120) return tiles_by_shape<5120>(D, G, paced);
     return nullptr;
   }
   if (piece != P) return mma ? by_shape<true, 0, false>(D, G) : nullptr;
@@ -1513,7 +1518,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
         fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core rows "
                     "a multiple of 256 in [2048, {}] (tiles: 2048, 2560 or 5120)",
                     piece, kMaxPiece));
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles, p.pace_ns > 0);
   const long long slots = slots_of(piece);
   if (slots < 2)
     throw replay::usage_error(fmt::format("qwen::mega_geometry: {} B of staging leave no room for 2 ring slots per warp",
@@ -1535,8 +1540,16 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   return g;
 }
 
+int mega_default_pace(int device) {
+  int clock_khz = 0, bus_bits = 0;
+  REPLAY_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
+  REPLAY_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  const double peak = 2.0 * clock_khz * 1e3 * bus_bits / 8.0;  // bytes/s (two transfers per clock)
+  return peak > 0.0 && peak < 4e12 ? 100 : 0;
+}
+
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece, p.tiles != 0);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece, p.tiles != 0, p.pace_ns > 0);
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
   if (p.slots != g.slots || p.piece != g.piece || p.part_groups != g.part_groups)
     throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");

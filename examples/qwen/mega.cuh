@@ -123,13 +123,13 @@ struct MegaParams {
   /// racecheck, which attributes a copy that several lanes issue in one instruction to one of
   /// them and reports the other lanes' rings' reads as hazards (probes/raceprobe.cu).
   int serial_issue = 0;
-  /// The producer warp pauses this many ns (__nanosleep) after every round of its loop that issued
-  /// copies, so that the lanes whose slots free up meanwhile are refilled together (0: no pause).
-  /// Without it the SMs' weight streams ran at uneven rates, different SMs slow in each phase (in a
-  /// GEMV phase the slowest block finished 17% after the median one), and every phase waits for its
-  /// slowest block. H100, 4B: 100 ns 2.93-2.95 ms against 3.02-3.04; 0.6B unchanged
-  /// (docs/perf-notes.md, sixteenth round).
-  int pace_ns = 100;
+  /// Tiles: the producer warp pauses this many ns (__nanosleep) after every round of its loop that
+  /// issued copies, so that the lanes whose slots free up meanwhile are refilled together (0: no
+  /// pause, and a kernel variant without the branch; mega_default_pace picks it per device). On an H100 the SMs' weight streams ran at uneven rates
+  /// without it, different SMs slow in each phase (the slowest block of a GEMV phase finished 17%
+  /// after the median one), and every phase waits for its slowest block: 100 ns made the 4B step 3%
+  /// faster. On an H200 the same pause made it 11% slower (docs/perf-notes.md, sixteenth round).
+  int pace_ns = 0;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
   unsigned long long* block_best = nullptr;  ///< [grid] each block's best key
@@ -178,6 +178,10 @@ constexpr int mega_part_splits(int splits, int group) { return group >= 2 ? mega
 /// the most weights in flight per warp; as many slots per warp as fit beside the staged activations,
 /// at most max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);
+/// MegaParams::pace_ns for `device`: 100 where the memory's peak bandwidth is under 4 TB/s (H100 SXM,
+/// 3.35 TB/s), else 0 (H200, 4.8 TB/s). Measured on those two devices only; QWEN_MEGA_PACE overrides
+/// it in the example.
+int mega_default_pace(int device);
 /// Launches one decode step of one row (cooperative: every block resident).
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s);
 

@@ -456,7 +456,12 @@ struct Engine::Impl {
       p.piece = std::atoi(e);
     // QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue one at a time (for racecheck; slower).
     if (const char* e = std::getenv("QWEN_MEGA_SERIAL_ISSUE"); e != nullptr && std::atoi(e) > 0) p.serial_issue = 1;
-    // QWEN_MEGA_PACE=n: the producer's pause after issuing, in ns (diagnostics; 0: none).
+    // The producer's pause after issuing (per device); QWEN_MEGA_PACE=n: n ns (diagnostics; 0: none).
+    {
+      int dev = 0;
+      REPLAY_CHECK(cudaGetDevice(&dev));
+      p.pace_ns = mega_default_pace(dev);
+    }
     if (const char* e = std::getenv("QWEN_MEGA_PACE"); e != nullptr) p.pace_ns = std::max(0, std::atoi(e));
     try {
       mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
@@ -604,14 +609,16 @@ struct Engine::Impl {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
     if (opt.kernels == decode_kernels::mega)
       return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB, "
-                                       "attention items of {} in up to {} chunks of at least {} positions, rows on {}; other buckets: ring)",
+                                       "attention items of {} in up to {} chunks of at least {} positions, rows on {}, producer pause {} ns; "
+                                       "other buckets: ring)",
                                        mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0,
                                        cfg.group_size() < 2 || mega.attn_heads == 1 ? "1 query head"
                                        : mega.attn_heads == 2                       ? "2 query heads"
                                                                                     : "1 query head (2 where that splits a long context finer)",
                                        mega.attn_splits, mega.attn_min_chunk, mega.tiles != 0 ? fmt::format("tensor cores, tiles of 2 rows x {} weights", mega_geo.piece / 2)
                                        : mega.mma != 0 ? std::string("tensor cores")
-                                                       : std::string("FMAs"))
+                                                       : std::string("FMAs"),
+                                       mega.pace_ns)
                      : s + fmt::format(" ({}: ring kernels)", mega_off_reason.empty()
                                                                   ? std::string("shape not supported by the persistent kernel")
                                                                   : mega_off_reason);
