@@ -3,7 +3,7 @@
 # On the GPU machine, after `source .deps/tools/env.sh`, with build-carry/qx/qwen.xz carried (and
 # optionally qwen_gpu.xz, qwen_base.xz: a build to compare against, qwen_trace.xz: a build configured
 # with -DQWEN_MEGA_TRACE=ON -DQWEN_MEGA_PROF=ON; scripts/gpu-qwen-carried.sh says how to make them):
-#   TESTS="*persistent*" VARIANTS="base new dyn0:QWEN_MEGA_DYN=0 a1:QWEN_MEGA_DYN_AHEAD=1,QWEN_MEGA_DYN=25" \
+#   TESTS="*persistent*" VARIANTS="base new p0:QWEN_MEGA_PACE=0 p250:QWEN_MEGA_PACE=250,QWEN_MEGA_SLOTS=5" \
 #     ROUNDS=2 bash scripts/gpu-qwen-probe.sh
 # TESTS: first the GPU test's cases that match (doctest -tc). Then one traced run per shape (with
 # qwen_trace.xz), then the A/B (scripts/gpu-qwen-variants.sh, alternating processes) of VARIANTS:

@@ -1457,6 +1457,8 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
                                           p.attn_splits, num_sms));
   if (p.attn_min_chunk < 64 || p.attn_min_chunk % 64 != 0)
     throw replay::usage_error("qwen::mega_geometry: attention's minimum chunk must be a positive multiple of 64");
+  if (p.pace_ns < 0 || p.pace_ns > 1000000 || (p.pace_ns > 0 && !tiles))
+    throw replay::usage_error("qwen::mega_geometry: the producer's pause needs tiles and must be 0..1000000 ns");
   int dev = 0, optin = 0, coop = 0;
   REPLAY_CHECK(cudaGetDevice(&dev));
   REPLAY_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -1553,7 +1555,8 @@ void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometr
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
   if (p.slots != g.slots || p.piece != g.piece || p.part_groups != g.part_groups)
     throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
-  if (p.pace_ns < 0 || p.pace_ns > 1000000) throw replay::usage_error("qwen::launch_mega: pace_ns must be in 0..1000000");
+  if (p.pace_ns < 0 || p.pace_ns > 1000000 || (p.pace_ns > 0 && p.tiles == 0))
+    throw replay::usage_error("qwen::launch_mega: the producer's pause needs tiles and must be 0..1000000 ns");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(g.grid);
   cfg.blockDim = dim3(kMThreads);

@@ -123,12 +123,13 @@ struct MegaParams {
   /// racecheck, which attributes a copy that several lanes issue in one instruction to one of
   /// them and reports the other lanes' rings' reads as hazards (probes/raceprobe.cu).
   int serial_issue = 0;
-  /// Tiles: the producer warp pauses this many ns (__nanosleep) after every round of its loop that
-  /// issued copies, so that the lanes whose slots free up meanwhile are refilled together (0: no
-  /// pause, and a kernel variant without the branch; mega_default_pace picks it per device). On an H100 the SMs' weight streams ran at uneven rates
-  /// without it, different SMs slow in each phase (the slowest block of a GEMV phase finished 17%
-  /// after the median one), and every phase waits for its slowest block: 100 ns made the 4B step 3%
-  /// faster. On an H200 the same pause made it 11% slower (docs/perf-notes.md, sixteenth round).
+  /// Tiles only: the producer warp pauses this many ns (__nanosleep) after every round of its loop
+  /// that issued copies, so that the lanes whose slots free up meanwhile are refilled together (0: no
+  /// pause, and a kernel variant without the branch; mega_default_pace picks it per device). On an
+  /// H100 the SMs' weight streams ran at uneven rates without it, different SMs slow in each phase
+  /// (the slowest block of a GEMV phase finished 17% after the median one), and every phase waits
+  /// for its slowest block: 100 ns made the 4B step 3% faster. On an H200 the same pause made it 11%
+  /// slower (docs/perf-notes.md, sixteenth round).
   int pace_ns = 0;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)

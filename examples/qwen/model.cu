@@ -456,13 +456,13 @@ struct Engine::Impl {
       p.piece = std::atoi(e);
     // QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue one at a time (for racecheck; slower).
     if (const char* e = std::getenv("QWEN_MEGA_SERIAL_ISSUE"); e != nullptr && std::atoi(e) > 0) p.serial_issue = 1;
-    // The producer's pause after issuing (per device); QWEN_MEGA_PACE=n: n ns (diagnostics; 0: none).
-    {
+    // Tiles: the producer's pause after issuing (per device); QWEN_MEGA_PACE=n: n ns (diagnostics).
+    if (p.tiles != 0) {
       int dev = 0;
       REPLAY_CHECK(cudaGetDevice(&dev));
       p.pace_ns = mega_default_pace(dev);
+      if (const char* e = std::getenv("QWEN_MEGA_PACE"); e != nullptr) p.pace_ns = std::max(0, std::atoi(e));
     }
-    if (const char* e = std::getenv("QWEN_MEGA_PACE"); e != nullptr) p.pace_ns = std::max(0, std::atoi(e));
     try {
       mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
     } catch (const replay::usage_error& e) {  // e.g. too little shared memory: the ring kernels serve bucket 1
