@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cstdlib>
 #include <array>
 #include <map>
@@ -558,6 +559,12 @@ struct Engine::Impl {
     // Balance over blocks: each block's rows time per GEMV kind, relative to the phase's median block,
     // averaged over layers; and how often the slowest tenth of blocks of one layer is among the slowest
     // tenth of the next (1: the same SMs are slow every layer; 0.1: chance).
+    auto slowest_first = [grid](const std::vector<double>& v) {  // block indices, largest value first
+      std::vector<int> order(grid);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return v[a] > v[b]; });
+      return order;
+    };
     for (int k : {0, 2, 3, 4}) {
       std::vector<double> rel(grid, 0.0);
       std::vector<std::vector<int>> slow;
@@ -570,9 +577,7 @@ struct Engine::Impl {
         if (med <= 0) continue;
         ++layers_seen;
         for (int b = 0; b < grid; ++b) rel[b] += rw[b] / med;
-        std::vector<int> order(grid);
-        for (int b = 0; b < grid; ++b) order[b] = b;
-        std::sort(order.begin(), order.end(), [&](int a, int b) { return rw[a] > rw[b]; });
+        std::vector<int> order = slowest_first(rw);
         order.resize(std::max(1, grid / 10));
         slow.push_back(order);
       }
@@ -583,9 +588,7 @@ struct Engine::Impl {
         for (int b : slow[i])
           again += std::count(slow[i - 1].begin(), slow[i - 1].end(), b) ? 1.0 : 0.0;
       if (slow.size() > 1) again /= double(slow.size() - 1) * slow[0].size();
-      std::vector<int> order(grid);
-      for (int b = 0; b < grid; ++b) order[b] = b;
-      std::sort(order.begin(), order.end(), [&](int a, int b) { return rel[a] > rel[b]; });
+      const std::vector<int> order = slowest_first(rel);
       std::string sl;
       for (int i = 0; i < std::min(grid, 12); ++i)
         sl += fmt::format(" {}/sm{}:{:.3f}", order[i], static_cast<long long>(t[std::size_t(order[i]) * P * kMegaMarks]) - 1,
