@@ -7,7 +7,8 @@
 #     ROUNDS=2 bash scripts/gpu-qwen-probe.sh
 # TESTS: first the GPU test's cases that match (doctest -tc). Then one traced run per shape (with
 # qwen_trace.xz), then the A/B (scripts/gpu-qwen-variants.sh, alternating processes) of VARIANTS:
-# `base`, `new`, NAME:VAR=value[,VAR=value...] (the new build with those environment settings), or
+# `base`, `new`, NAME:VAR=value[,VAR=value...] (the new build with those environment settings; an
+# item --flag is passed to the CLI instead, e.g. rows:--mega-rows), or
 # v:X[:VAR=value,...] (the build carried as qwen_var_X.xz, with those settings).
 set -uo pipefail
 src=${CARRY_DIR:-build-carry/qx}
@@ -38,8 +39,10 @@ for v in ${VARIANTS:-new}; do
          w="$d/ab/qwen_v$n${envs:+.${envs//[=,]/-}}"
          printf '#!/bin/sh\nexec env %s %s "$@"\n' "${envs//,/ }" "$d/ab/qwen_var_$n" > "$w" && chmod +x "$w"
          bins="$bins $w" ;;
-    *:*) n=${v%%:*}; envs=${v#*:}
-         printf '#!/bin/sh\nexec env %s %s "$@"\n' "${envs//,/ }" "$d/qwen" > "$d/ab/qwen_$n" && chmod +x "$d/ab/qwen_$n"
+    *:*) n=${v%%:*}; envs=""; args=""  # settings VAR=value, or --flag: an argument of the CLI
+         IFS=, read -ra xs <<< "${v#*:}"
+         for x in "${xs[@]}"; do case $x in --*) args="$args $x" ;; *) envs="$envs $x" ;; esac; done
+         printf '#!/bin/sh\nexec env %s %s "$@"%s\n' "$envs" "$d/qwen" "$args" > "$d/ab/qwen_$n" && chmod +x "$d/ab/qwen_$n"
          bins="$bins $d/ab/qwen_$n" ;;
   esac
 done

@@ -40,7 +40,7 @@ constexpr int kCThreads = kMW * 32;    // consumer threads
 constexpr int kMThreads = kCThreads + 32;  // + the producer warp
 constexpr int kAW = 8;                 // warps of the RMSNorm reduction and of attention (the per-matrix
                                        // kernels' 8, so that the summation orders match theirs)
-constexpr int kMaxRingSlots = 16;      // slots per warp at most
+constexpr int kMaxRingSlots = 8;       // slots per warp at most (the smallest slot, 4 KiB, fits 6 times)
 constexpr int kChunk = 1024;           // weights per lane-chunk (the per-matrix GEMVs' summation unit)
 // Weights per slot: MegaParams::piece (mega_geometry: 2048, 2560 or 3072). 4 KiB of bf16 against 2 KiB:
 // 4B 2.88 -> 3.32 ms (H200); rows of 2560 weights in 4 KiB slots filled their second slot a quarter.
@@ -50,7 +50,7 @@ constexpr int kSmemLayers = 48;        // layer tables up to this long are copie
                                        // (64: 4B's fifth 5 KiB slot per warp did not fit)
 constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
 /// Bytes of the work area's GEMV staging: x as bf16 (the widest input), or x as bf16 then the fp32
-/// residual row (xf); the tiles' partial sums follow it (host and device use this one formula).
+/// residual row (xf) (host and device use this one formula).
 __host__ __device__ constexpr std::size_t stage_bytes(int hidden, int q_dim, int intermediate) {
   const std::size_t kmax = static_cast<std::size_t>(hidden > q_dim ? (hidden > intermediate ? hidden : intermediate)
                                                                    : (q_dim > intermediate ? q_dim : intermediate));
@@ -298,6 +298,15 @@ __device__ __forceinline__ TileSplit tile_split(const MegaGemv& m, int halves, i
   return {rg0, rg1 - rg0, S, halves, (rg1 - rg0) * halves * S};
 }
 
+/// Tiles: a GEMV phase's partial row sums [kMW][tile_part_groups][kTileRows] (fp32) start right after
+/// its staged x (K bf16 values), over the fp32 residual row, which only the staging reads: the lm_head's
+/// 73 groups per warp (4B) then need no room beyond the down projection's staging, and the 4B ring takes a
+/// fifth 5 KiB slot per warp. Host (mega_geometry) and device share these formulas.
+__host__ __device__ constexpr std::size_t tile_part_offset(int K) { return (std::size_t(K) * 2 + 15) / 16 * 16; }
+/// Groups a warp's items touch at most: I items over kMW warps, S per group (+1: a warp's range can
+/// start inside a group).
+__host__ __device__ constexpr int tile_part_groups(int I, int S) { return ((I + kMW - 1) / kMW + S - 1) / S + 1; }
+
 /// A producer lane's position in its warp's stream of tiles: GEMV j, item i of [i, i1), which is
 /// slice sl of virtual pair vg (counted along, no divisions per piece); tk weights per row and slot.
 struct TileCursor {
@@ -384,8 +393,6 @@ struct Step {
   bf16* xs;     // staged GEMV input [max K] bf16
   float* xf;    // fp32 residual row [hidden] (RMSNorm input)
   unsigned char* work;
-  float* part;                // tiles: the warps' partial row sums [kMW][part_groups][kTileRows]
-  int part_groups;
   int2* groups;               // tiles: each warp's virtual groups [x, y) of the phase
   const MegaLayer* layers;    // the layer table (a shared-memory copy when it fits)
   int pos;                    // the row's position this step
@@ -614,12 +621,13 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   if constexpr (TILES) {
     // Each warp's items (tile_split), then one thread per row of the block adds the warps' partial sums.
     constexpr int TK = PW / kTileRows;  // weights of a row per slot
-    const int S = ts.S, I = ts.I, JM = st.part_groups, lane = st.lane;
+    const int S = ts.S, I = ts.I, JM = tile_part_groups(I, S), lane = st.lane;
+    float* const part_all = reinterpret_cast<float*>(st.work + tile_part_offset(K));
     const int i0 = row_split(st.warp, I, kMW), i1 = row_split(st.warp + 1, I, kMW), jb = i0 / S;
     // Lane L reads the 8 bytes at weight 4 L of every 128-weight block of each row, and of x (mma_tile).
     const bf16* const rbase = ring.base + lane * 4;
     const bf16* const xl = st.xs + lane * 4;
-    float* const part = st.part + st.warp * JM * kTileRows;
+    float* const part = part_all + st.warp * JM * kTileRows;
     int rs = ring.s;
     unsigned rpar = ring.parity;
     float c[4] = {0.f, 0.f, 0.f, 0.f};
@@ -659,7 +667,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
     ring.s = rs, ring.parity = rpar;
     // The warp's groups [jb, gl) (none: jb = gl), for the epilogue.
     if (lane == 0) st.groups[st.warp] = make_int2(jb, i0 < i1 ? gl : jb);
-    consumer_sync();  // every warp's partial sums are in st.part
+    consumer_sync();  // every warp's partial sums are in part_all
     // Row e % kTileRows of the block's virtual group vg: the partial sums of the warps that hold a slice of
     // it, in warp order (the same order every step).
     int2 wg[kMW];
@@ -669,7 +677,7 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < kMW; ++w)
-        if (wg[w].x <= vg && vg < wg[w].y) v += st.part[(w * JM + vg - wg[w].x) * kTileRows + e % kTileRows];
+        if (wg[w].x <= vg && vg < wg[w].y) v += part_all[(w * JM + vg - wg[w].x) * kTileRows + e % kTileRows];
       return v;
     };
     for (int e = st.tid; e < b1 - b0; e += kCThreads) {
@@ -1255,8 +1263,6 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
   // starts after those, over the part of xs that only the wider inputs (attention output, SiLU
   // product) use.
   st.xf = reinterpret_cast<float*>(st.work + (std::size_t(p.hidden) * sizeof(bf16) + 15) / 16 * 16);
-  st.part = reinterpret_cast<float*>(st.work + stage_bytes(p.hidden, p.q_dim, p.intermediate));
-  st.part_groups = p.part_groups;
   st.groups = groups_s;
 
   if (warp == kMW) {  // the producer warp: the weight streams (weights never depend on activations)
@@ -1466,26 +1472,22 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   if (coop == 0) throw replay::usage_error("qwen::mega_geometry: the device has no cooperative launch");
   cudaFuncAttributes fa{};
   REPLAY_CHECK(cudaFuncGetAttributes(&fa, k0));  // (every variant has the same static shared memory)
-  // Tiles: groups a warp's items touch at most (tile_split: at most ceil(items per warp / S) + 1), over
-  // the step's GEMVs; their partial sums follow the staging in the work area.
-  // (The largest count over the tile slot sizes; the size is chosen below.)
-  int part_groups = 0;
+  // Tiles: each GEMV's partial sums after its staged x (tile_part_offset), for the most items a block
+  // gets, over the tile slot sizes (the size is chosen below).
+  std::size_t part_end = 0;
   if (tiles) {
     for (int piece : kTilePieces) {
       const int tk = piece / kTileRows;
-      auto groups = [&](int N, int K, int halves) {
-        const int per_block = (N / kTileRows + num_sms - 1) / num_sms * halves, S = (K + tk - 1) / tk;
-        const int per_warp = (per_block * S + kMW - 1) / kMW;
-        return (per_warp + S - 1) / S + 1;
+      auto end = [&](int N, int K, int halves) {
+        const int S = (K + tk - 1) / tk, I = (N / kTileRows + num_sms - 1) / num_sms * halves * S;
+        return tile_part_offset(K) + std::size_t(kMW) * tile_part_groups(I, S) * kTileRows * sizeof(float);
       };
-      part_groups = std::max({part_groups, groups(p.q_dim + 2 * p.kv_dim, p.hidden, 1), groups(p.hidden, p.q_dim, 1),
-                              groups(p.intermediate, p.hidden, 2), groups(p.hidden, p.intermediate, 1),
-                              groups(p.vocab, p.hidden, 1)});
+      part_end = std::max({part_end, end(p.q_dim + 2 * p.kv_dim, p.hidden, 1), end(p.hidden, p.q_dim, 1),
+                           end(p.intermediate, p.hidden, 2), end(p.hidden, p.intermediate, 1), end(p.vocab, p.hidden, 1)});
     }
   }
-  const std::size_t part_bytes = std::size_t(kMW) * part_groups * kTileRows * sizeof(float);
   const std::size_t work =
-      (std::max(stage_bytes(p.hidden, p.q_dim, p.intermediate) + part_bytes, scratch(head_dim, group)) + 127) / 128 * 128;
+      (std::max({stage_bytes(p.hidden, p.q_dim, p.intermediate), part_end, scratch(head_dim, group)}) + 127) / 128 * 128;
   const long long avail = static_cast<long long>(optin) - static_cast<long long>(fa.sharedSizeBytes) -
                           static_cast<long long>(work) - 1024;
   // Weights per slot: p.piece, or (0) the candidate that keeps the most weights in flight per warp:
@@ -1529,7 +1531,6 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   g.slots = static_cast<int>(slots);
   g.piece = piece;
   g.slot_bytes = piece * static_cast<int>(sizeof(bf16));
-  g.part_groups = part_groups;
   g.smem = std::size_t(kMW) * g.slots * piece * sizeof(bf16) + work;
   REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
   int per_sm = 0;
@@ -1553,7 +1554,7 @@ int mega_default_pace(int device) {
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
   const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece, p.tiles != 0, p.pace_ns > 0);
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
-  if (p.slots != g.slots || p.piece != g.piece || p.part_groups != g.part_groups)
+  if (p.slots != g.slots || p.piece != g.piece)
     throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");
   if (p.pace_ns < 0 || p.pace_ns > 1000000 || (p.pace_ns > 0 && p.tiles == 0))
     throw replay::usage_error("qwen::launch_mega: the producer's pause needs tiles and must be 0..1000000 ns");

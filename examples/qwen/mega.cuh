@@ -47,7 +47,7 @@
 // Example (what model.cu does for bucket 1):
 //   MegaParams p = ...;                                   // weights, metadata, tagged buffers, counters
 //   const MegaGeometry g = mega_geometry(p, head_dim, group, 16, num_sms);  // p.piece = 0: it picks
-//   p.slots = g.slots, p.piece = g.piece, p.part_groups = g.part_groups;
+//   p.slots = g.slots, p.piece = g.piece;
 //   launch_mega(p, head_dim, group, g, stream);          // one step; capturable in a graph
 #pragma once
 
@@ -139,7 +139,6 @@ struct MegaParams {
   /// Weights per ring slot: 2048, or with tensor-core rows a multiple of 256 up to 4096; 0:
   /// mega_geometry picks one. Set it to the geometry's.
   int piece = 0;
-  int part_groups = 0;  ///< tiles: the geometry's part_groups (set it to the geometry's)
   /// Diagnostics (QWEN_MEGA_TRACE=1 in a build with the trace: mega_trace_built()): [grid][5 layers +
   /// 2][kMegaMarks] %globaltimer stamps per block
   /// and phase (entry, input staged, last warp done; attention: own chunk done, pass done, cross-warp
@@ -154,7 +153,6 @@ struct MegaGeometry {
   int slots = 0;         ///< ring slots per warp
   int piece = 0;         ///< weights per slot
   int slot_bytes = 0;    ///< bytes of one slot
-  int part_groups = 0;   ///< tiles: row pairs per warp whose partial sums shared memory holds
   std::size_t smem = 0;  ///< dynamic shared memory per block
   int grid = 0;          ///< blocks: one per SM
 };

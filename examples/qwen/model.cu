@@ -473,7 +473,6 @@ struct Engine::Impl {
     }
     p.slots = mega_geo.slots;
     p.piece = mega_geo.piece;
-    p.part_groups = mega_geo.part_groups;
     mega_on = true;
   }
   /// The persistent kernel's trace of the last step: per phase kind, medians over layers of the gap
