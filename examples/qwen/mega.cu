@@ -1543,12 +1543,14 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   return g;
 }
 
-int mega_default_pace(int device) {
+MegaTuning mega_device_tuning(int device) {
   int clock_khz = 0, bus_bits = 0;
   REPLAY_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
   REPLAY_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
   const double peak = 2.0 * clock_khz * 1e3 * bus_bits / 8.0;  // bytes/s (two transfers per clock)
-  return peak > 0.0 && peak < 4e12 ? 100 : 0;
+  MegaTuning t;
+  if (peak > 0.0 && peak < 4e12) t.pace_ns = 100, t.tile_piece = 2 * kChunk;
+  return t;
 }
 
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {

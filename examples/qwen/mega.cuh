@@ -125,7 +125,7 @@ struct MegaParams {
   int serial_issue = 0;
   /// Tiles only: the producer warp pauses this many ns (__nanosleep) after every round of its loop
   /// that issued copies, so that the lanes whose slots free up meanwhile are refilled together (0: no
-  /// pause, and a kernel variant without the branch; mega_default_pace picks it per device). On an
+  /// pause, and a kernel variant without the branch; mega_device_tuning picks it per device). On an
   /// H100 the SMs' weight streams ran at uneven rates without it, different SMs slow in each phase
   /// (the slowest block of a GEMV phase finished 17% after the median one), and every phase waits
   /// for its slowest block: 100 ns made the 4B step 3% faster. On an H200 the same pause made it 11%
@@ -177,10 +177,19 @@ constexpr int mega_part_splits(int splits, int group) { return group >= 2 ? mega
 /// the most weights in flight per warp; as many slots per warp as fit beside the staged activations,
 /// at most max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);
-/// MegaParams::pace_ns for `device`: 100 where the memory's peak bandwidth is under 4 TB/s (H100 SXM,
-/// 3.35 TB/s), else 0 (H200, 4.8 TB/s). Measured on those two devices only; QWEN_MEGA_PACE overrides
-/// it in the example.
-int mega_default_pace(int device);
+/// The persistent kernel's settings that differ by device, from the memory's peak bandwidth (measured
+/// on an H100 SXM, 3.35 TB/s, and an H200, 4.8 TB/s, only; docs/perf-notes.md, sixteenth and
+/// seventeenth rounds). The example's QWEN_MEGA_PACE and QWEN_MEGA_TILE_PIECE override them.
+struct MegaTuning {
+  /// MegaParams::pace_ns with tiles: 100 under 4 TB/s (H100: 4B 3% faster), else 0 (H200: 11% slower
+  /// with it).
+  int pace_ns = 0;
+  /// MegaParams::piece with tiles: 2048 under 4 TB/s (H100, paced: 4B 2.93 ms against 3.05 with 2560),
+  /// else 0, the geometry's choice (H200: 4B takes 5 slots of 2560 weights, 2.24 ms against 2.60 with
+  /// 6 of 2048).
+  int tile_piece = 0;
+};
+MegaTuning mega_device_tuning(int device);
 /// Launches one decode step of one row (cooperative: every block resident).
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s);
 

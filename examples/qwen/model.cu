@@ -452,17 +452,19 @@ struct Engine::Impl {
     p.piece = 0;
     if (const char* e = std::getenv("QWEN_MEGA_PIECE"); e != nullptr && std::atoi(e) > 0 && p.mma != 0)
       p.piece = std::atoi(e), p.tiles = 0;
-    // QWEN_MEGA_TILE_PIECE=n: n weights per slot with tiles, 2048 or 2560 (diagnostics).
-    if (const char* e = std::getenv("QWEN_MEGA_TILE_PIECE"); e != nullptr && std::atoi(e) > 0 && p.tiles != 0)
-      p.piece = std::atoi(e);
     // QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue one at a time (for racecheck; slower).
     if (const char* e = std::getenv("QWEN_MEGA_SERIAL_ISSUE"); e != nullptr && std::atoi(e) > 0) p.serial_issue = 1;
-    // Tiles: the producer's pause after issuing (per device); QWEN_MEGA_PACE=n: n ns (diagnostics).
+    // Tiles: the producer's pause after issuing and the weights per slot, per device
+    // (mega_device_tuning); QWEN_MEGA_PACE=n: n ns, QWEN_MEGA_TILE_PIECE=n: n weights per slot, 2048,
+    // 2560 or 5120 (diagnostics).
     if (p.tiles != 0) {
       int dev = 0;
       REPLAY_CHECK(cudaGetDevice(&dev));
-      p.pace_ns = mega_default_pace(dev);
+      const MegaTuning tune = mega_device_tuning(dev);
+      p.pace_ns = tune.pace_ns;
+      p.piece = tune.tile_piece;
       if (const char* e = std::getenv("QWEN_MEGA_PACE"); e != nullptr) p.pace_ns = std::max(0, std::atoi(e));
+      if (const char* e = std::getenv("QWEN_MEGA_TILE_PIECE"); e != nullptr && std::atoi(e) > 0) p.piece = std::atoi(e);
     }
     try {
       mega_geo = mega_geometry(p, cfg.head_dim, cfg.group_size(), env_slots(), num_sms);
