@@ -1543,13 +1543,14 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   return g;
 }
 
-MegaTuning mega_device_tuning(int device) {
+MegaTuning mega_device_tuning(int device, int hidden) {
   int clock_khz = 0, bus_bits = 0;
   REPLAY_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
   REPLAY_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
   const double peak = 2.0 * clock_khz * 1e3 * bus_bits / 8.0;  // bytes/s (two transfers per clock)
   MegaTuning t;
   if (peak > 0.0 && peak < 4e12) t.pace_ns = 100, t.tile_piece = 2 * kChunk;
+  else if (hidden >= 2048) t.pace_ns = 75;
   return t;
 }
 

@@ -181,15 +181,17 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
 /// on an H100 SXM, 3.35 TB/s, and an H200, 4.8 TB/s, only; docs/perf-notes.md, sixteenth and
 /// seventeenth rounds). The example's QWEN_MEGA_PACE and QWEN_MEGA_TILE_PIECE override them.
 struct MegaTuning {
-  /// MegaParams::pace_ns with tiles: 100 under 4 TB/s (H100: 4B 3% faster), else 0 (H200: 11% slower
-  /// with it).
+  /// MegaParams::pace_ns with tiles: under 4 TB/s 100 (H100: 4B 3% faster, 0.6B 0.5%); above, 75 where
+  /// hidden >= 2048 (H200, 4B in 5 KiB slots: 2.19 ms against 2.24 without; 150 ns: 2.25), else 0
+  /// (H200, 0.6B: 1-2% slower with 50-150 ns).
   int pace_ns = 0;
   /// MegaParams::piece with tiles: 2048 under 4 TB/s (H100, paced: 4B 2.93 ms against 3.05 with 2560),
   /// else 0, the geometry's choice (H200: 4B takes 5 slots of 2560 weights, 2.24 ms against 2.60 with
-  /// 6 of 2048).
+  /// 6 of 2048, both unpaced).
   int tile_piece = 0;
 };
-MegaTuning mega_device_tuning(int device);
+/// The tuning for `device` and a model of `hidden` channels.
+MegaTuning mega_device_tuning(int device, int hidden);
 /// Launches one decode step of one row (cooperative: every block resident).
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s);
 

@@ -460,7 +460,7 @@ struct Engine::Impl {
     if (p.tiles != 0) {
       int dev = 0;
       REPLAY_CHECK(cudaGetDevice(&dev));
-      const MegaTuning tune = mega_device_tuning(dev);
+      const MegaTuning tune = mega_device_tuning(dev, cfg.hidden_size);
       p.pace_ns = tune.pace_ns;
       p.piece = tune.tile_piece;
       if (const char* e = std::getenv("QWEN_MEGA_PACE"); e != nullptr) p.pace_ns = std::max(0, std::atoi(e));
