@@ -59,6 +59,14 @@ for stage in $stages; do
         QWEN_MEGA_PIECE=$pc QWEN_TEST_KERNELS=mega timeout 300 "$bin/qwen_gpu" -tc='the persistent kernel*' \
           >"$out/mega_tests_$pc.log" 2>&1
         echo "tests (slots of $pc weights) exit $?"; grep -E "doctest\] (test cases|assertions)" "$out/mega_tests_$pc.log"
+      done
+      # Tiles in either device's setting whatever the device (mega_device_tuning): H200 5 KiB slots and
+      # a 75 ns pause, H100 4 KiB slots and 100 ns.
+      for t in 2560:75 2048:100; do
+        QWEN_MEGA_TILE_PIECE=${t%:*} QWEN_MEGA_PACE=${t#*:} QWEN_TEST_KERNELS=mega timeout 300 "$bin/qwen_gpu" \
+          -tc='the persistent kernel*' >"$out/mega_tests_t${t%:*}.log" 2>&1
+        echo "tests (tiles of ${t%:*} weights, pause ${t#*:} ns) exit $?"
+        grep -E "doctest\] (test cases|assertions)" "$out/mega_tests_t${t%:*}.log"
       done ;;
     sanitize)
       QWEN_TEST_KERNELS=mega timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/qwen_gpu" \
@@ -68,6 +76,10 @@ for stage in $stages; do
         "$bin/qwen_gpu" -tc='the persistent kernel*' >"$out/mega_memcheck_2560.log" 2>&1
       echo "memcheck (slots of 2560 weights) exit $?"
       grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck_2560.log"
+      QWEN_MEGA_TILE_PIECE=2560 QWEN_MEGA_PACE=75 QWEN_TEST_KERNELS=mega timeout 300 compute-sanitizer --tool memcheck \
+        --error-exitcode 1 "$bin/qwen_gpu" -tc='the persistent kernel*' >"$out/mega_memcheck_t2560.log" 2>&1
+      echo "memcheck (tiles of 2560 weights, pause 75 ns) exit $?"
+      grep -E "doctest\] (test cases|assertions)|ERROR SUMMARY" "$out/mega_memcheck_t2560.log"
       racecheck_all ;;
     racecheck)
       racecheck_all ;;
