@@ -45,7 +45,12 @@ constexpr int kChunk = 1024;           // weights per lane-chunk (the per-matrix
 // Weights per slot: MegaParams::piece (mega_geometry: 2048, 2560 or 3072). 4 KiB of bf16 against 2 KiB:
 // 4B 2.88 -> 3.32 ms (H200); rows of 2560 weights in 4 KiB slots filled their second slot a quarter.
 constexpr int kMaxPiece = 4 * kChunk;
-constexpr int kPollBatch = 8;          // tagged words in flight per thread while staging (12: spills)
+// Tagged words in flight per thread while staging (12: spills). kPollBatch by default; kPollBatchWide
+// in the variants for models wider than 2048 (pick): 4B's 2560 residual words then take one polling
+// round instead of two and its down input 2 instead of 3 (H200 4B -3%, H100 -1.7%), but the
+// registers cost the narrow 0.6B 2-3.5%, whose stagings need one round either way.
+constexpr int kPollBatch = 8;
+constexpr int kPollBatchWide = 10;
 constexpr int kSmemLayers = 48;        // layer tables up to this long are copied to shared memory
                                        // (64: 4B's fifth 5 KiB slot per warp did not fit)
 constexpr int kSmemTable = 256;        // block-table rows up to this long are copied to shared memory
@@ -127,34 +132,35 @@ __device__ __forceinline__ void settle_all(unsigned long long (&w)[N], int count
 }
 
 /// store(i, word) for every i < n, once word at(i) is ready(word); the block's consumer threads split
-/// the words, kPollBatch of them in flight per thread.
-template <class At, class Ready, class Store>
+/// the words, PB of them in flight per thread.
+template <int PB = kPollBatch, class At, class Ready, class Store>
 __device__ __forceinline__ void poll_words_if(int n, unsigned tag, Ready&& ready, At&& at, Store&& store) {
-  for (int base = threadIdx.x; base < n; base += kCThreads * kPollBatch) {
-    unsigned long long w[kPollBatch];
-    const int count = min(kPollBatch, (n - base + kCThreads - 1) / kCThreads);
+  for (int base = threadIdx.x; base < n; base += kCThreads * PB) {
+    unsigned long long w[PB];
+    const int count = min(PB, (n - base + kCThreads - 1) / kCThreads);
 #pragma unroll
-    for (int i = 0; i < kPollBatch; ++i)
+    for (int i = 0; i < PB; ++i)
       if (i < count) w[i] = ld_word(at(base + i * kCThreads));
     settle_all_if(w, count, tag, ready, [&](int i) { return at(base + i * kCThreads); });
 #pragma unroll
-    for (int i = 0; i < kPollBatch; ++i)
+    for (int i = 0; i < PB; ++i)
       if (i < count) store(base + i * kCThreads, w[i]);
   }
 }
 /// store(i, value) for every i < n, once word at(i) carries `tag`.
-template <class At, class Store>
+template <int PB = kPollBatch, class At, class Store>
 __device__ __forceinline__ void poll_words(int n, unsigned tag, At&& at, Store&& store) {
-  poll_words_if(
+  poll_words_if<PB>(
       n, tag, [tag](unsigned long long v) { return word_tag(v) == tag; }, static_cast<At&&>(at),
       [&](int i, unsigned long long v) { store(i, word_val(v)); });
 }
 /// The half words src[0, n) (n even) into dst[0, n) as bf16, once each carries half_tag(tag): a
 /// 64-bit word of poll_words_if is a pair of them, ready when both halves are.
+template <int PB = kPollBatch>
 __device__ __forceinline__ void poll_half_range(const unsigned* src, int n, unsigned tag, bf16* dst) {
   const unsigned ht = half_tag(tag);
   const auto* pairs = reinterpret_cast<const unsigned long long*>(src);
-  poll_words_if(
+  poll_words_if<PB>(
       n / 2, tag,
       [ht](unsigned long long w) {
         return static_cast<unsigned>(w >> 16 & 0xffffu) == ht && static_cast<unsigned>(w >> 48) == ht;
@@ -166,9 +172,9 @@ __device__ __forceinline__ void poll_half_range(const unsigned* src, int n, unsi
       });
 }
 /// poll_words over the contiguous words src[0, n).
-template <class Store>
+template <int PB = kPollBatch, class Store>
 __device__ __forceinline__ void poll_range(const unsigned long long* src, int n, unsigned tag, Store&& store) {
-  poll_words(n, tag, [src](int i) { return src + i; }, static_cast<Store&&>(store));
+  poll_words<PB>(n, tag, [src](int i) { return src + i; }, static_cast<Store&&>(store));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -557,8 +563,9 @@ struct RowProf {
 #endif
 };
 
-/// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows), then each warp's rows.
-template <int KIND, bool MMA, int PW, bool TILES>
+/// One GEMV phase (KIND) of layer l: stage the input (blocks that own rows; PB words in flight per
+/// thread), then each warp's rows.
+template <int KIND, bool MMA, int PW, bool TILES, int PB>
 __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& ring, float* red,
                            float& best_v, int& best_i) {
   constexpr int R = KIND == kGateUp ? 2 : 1;
@@ -609,11 +616,11 @@ __device__ void gemv_phase(const MegaParams& p, int l, const Step& st, Ring& rin
   consumer_sync();  // every warp is done with the work area (previous phase)
   if constexpr (kNorm) {
     copy_norm(norm_w, K, st.tid, st.xs);
-    poll_range(in_words, K, in_tag, [&](int e, float v) { st.xf[e] = v; });
+    poll_range<PB>(in_words, K, in_tag, [&](int e, float v) { st.xf[e] = v; });
     consumer_sync();
     rms_stage(st.xf, K, p.eps, st.xs, red, st);
   } else {
-    poll_half_range(in_half, K, in_tag, st.xs);
+    poll_half_range<PB>(in_half, K, in_tag, st.xs);
   }
   consumer_sync();
   st.mark(trace_phase, 1);
@@ -1210,7 +1217,8 @@ __device__ void produce(const MegaParams& p, const MegaLayer* layers, unsigned c
 /// TILES: GEMV rows as tiles (MegaParams::tiles; MMA, and PW 2048 or 2560).
 /// PACED: the producer pauses after its rounds that issued (MegaParams::pace_ns; tiles only): a variant
 /// of its own, because the branch alone cost the H200's 4B step 2.5% where the pause is off.
-template <int D, int G, bool MMA, int PW, bool TILES, bool PACED>
+/// PB: activation words in flight per thread while staging (kPollBatch, or kPollBatchWide: pick).
+template <int D, int G, bool MMA, int PW, bool TILES, bool PACED, int PB = kPollBatch>
 __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) {
   static_assert(!TILES || (MMA && (PW == 2048 || PW == 2560 || PW == 5120)), "tiles: slots of 4, 5 or 10 KiB");
   constexpr int GP = pair_heads(G);
@@ -1301,7 +1309,7 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
     consumer_sync();
   }
   for (int l = 0; l < p.num_layers; ++l) {
-    gemv_phase<kQkv, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kQkv, MMA, PW, TILES, PB>(p, l, st, ring, red, best_v, best_i);
     if (const int4 item = item_s; item.x >= 0) {
       bool done = false;
       if constexpr (GP > 1) {
@@ -1317,11 +1325,11 @@ __global__ void __launch_bounds__(kMThreads, 1) mega_kernel(const MegaParams p) 
         attention_combine<D, 1>(p, l, item.x, item.y, G, item.z, p.attn_splits, st);
       }
     }
-    gemv_phase<kO, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kGateUp, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
-    gemv_phase<kDown, MMA, PW, TILES>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kO, MMA, PW, TILES, PB>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kGateUp, MMA, PW, TILES, PB>(p, l, st, ring, red, best_v, best_i);
+    gemv_phase<kDown, MMA, PW, TILES, PB>(p, l, st, ring, red, best_v, best_i);
   }
-  gemv_phase<kLmHead, MMA, PW, TILES>(p, 0, st, ring, red, best_v, best_i);
+  gemv_phase<kLmHead, MMA, PW, TILES, PB>(p, 0, st, ring, red, best_v, best_i);
 
   // Argmax: the block's best key (each thread's, then each warp's), then the last block out reduces
   // them and ends the epoch.
@@ -1366,20 +1374,32 @@ kernel_ptr by_shape(int D, int G) {
   if (D == 128 && G == 4) return mega_kernel<128, 4, MMA, PW, TILES, PACED>;
   return nullptr;
 }
+/// Whether pick() takes a variant that stages with kPollBatchWide words in flight per thread: tiles of
+/// 4 or 5 KiB slots, head_dim 128 and groups of 4 (Qwen3-4B and -8B), `wide` (wide_input).
+bool poll_wide(int D, int G, int piece, bool tiles, bool wide) {
+  return tiles && wide && D == 128 && G == 4 && (piece == 2 * kChunk || piece == 2560);
+}
 template <int PW>
-kernel_ptr tiles_by_shape(int D, int G, bool paced) {
+kernel_ptr tiles_by_shape(int D, int G, bool paced, bool wide) {
+  if constexpr (PW != 5120)
+    if (poll_wide(D, G, PW, true, wide))
+      return paced ? mega_kernel<128, 4, true, PW, true, true, kPollBatchWide>
+                   : mega_kernel<128, 4, true, PW, true, false, kPollBatchWide>;
   return paced ? by_shape<true, PW, true, true>(D, G) : by_shape<true, PW, true, false>(D, G);
 }
+/// The residual row (hidden fp32 words) takes more than one polling round at kPollBatch words per thread.
+bool wide_input(const MegaParams& p) { return p.hidden > kCThreads * kPollBatch; }
 /// The kernel for (head_dim, query heads per kv head, tensor-core rows, weights per slot, tiles):
 /// slots of 2048 weights are a compile-time constant; other sizes (tensor-core rows only) a run-time
-/// value; tiles take 2048, 2560 or 5120 (a variant each, paced or not: MegaParams::pace_ns).
-kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles, bool paced = false) {
+/// value; tiles take 2048, 2560 or 5120 (a variant each, paced or not: MegaParams::pace_ns; wide or not:
+/// tiles_by_shape).
+kernel_ptr pick(int D, int G, bool mma, int piece, bool tiles, bool paced = false, bool wide = false) {
   constexpr int P = 2 * kChunk;
   if (tiles) {
     if (!mma) return nullptr;
-    if (piece == P) return tiles_by_shape<P>(D, G, paced);
-    if (piece == 2560) return tiles_by_shape<2560>(D, G, paced);
-    if (piece == 5120) return tiles_by_shape<5120>(D, G, paced);
+    if (piece == P) return tiles_by_shape<P>(D, G, paced, wide);
+    if (piece == 2560) return tiles_by_shape<2560>(D, G, paced, wide);
+    if (piece == 5120) return tiles_by_shape<5120>(D, G, paced, wide);
     return nullptr;
   }
   if (piece != P) return mma ? by_shape<true, 0, false>(D, G) : nullptr;
@@ -1522,7 +1542,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
         fmt::format("qwen::mega_geometry: {} weights per ring slot; it needs 2048, or with tensor-core rows "
                     "a multiple of 256 in [2048, {}] (tiles: 2048, 2560 or 5120)",
                     piece, kMaxPiece));
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles, p.pace_ns > 0);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, piece, tiles, p.pace_ns > 0, wide_input(p));
   const long long slots = slots_of(piece);
   if (slots < 2)
     throw replay::usage_error(fmt::format("qwen::mega_geometry: {} B of staging leave no room for 2 ring slots per warp",
@@ -1531,6 +1551,7 @@ MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max
   g.slots = static_cast<int>(slots);
   g.piece = piece;
   g.slot_bytes = piece * static_cast<int>(sizeof(bf16));
+  g.poll_batch = poll_wide(head_dim, group, piece, tiles, wide_input(p)) ? kPollBatchWide : kPollBatch;
   g.smem = std::size_t(kMW) * g.slots * piece * sizeof(bf16) + work;
   REPLAY_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem)));
   int per_sm = 0;
@@ -1555,7 +1576,7 @@ MegaTuning mega_device_tuning(int device, int hidden) {
 }
 
 void launch_mega(const MegaParams& p, int head_dim, int group, const MegaGeometry& g, replay::stream_ref s) {
-  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece, p.tiles != 0, p.pace_ns > 0);
+  const kernel_ptr k = pick(head_dim, group, p.mma != 0, p.piece, p.tiles != 0, p.pace_ns > 0, wide_input(p));
   if (k == nullptr) throw replay::usage_error("qwen::launch_mega: shape not supported by the persistent kernel");
   if (p.slots != g.slots || p.piece != g.piece)
     throw replay::usage_error("qwen::launch_mega: parameters and geometry disagree");

@@ -153,6 +153,7 @@ struct MegaGeometry {
   int slots = 0;         ///< ring slots per warp
   int piece = 0;         ///< weights per slot
   int slot_bytes = 0;    ///< bytes of one slot
+  int poll_batch = 0;    ///< activation words in flight per thread while staging (4B-like shapes: more)
   std::size_t smem = 0;  ///< dynamic shared memory per block
   int grid = 0;          ///< blocks: one per SM
 };

@@ -613,8 +613,8 @@ struct Engine::Impl {
     std::string s = fmt::format("decode kernels {}", decode_kernels_name(opt.kernels));
     if (opt.kernels == decode_kernels::mega)
       return mega_on ? s + fmt::format(" (bucket 1: one launch, grid {}, {} ring slots of {} KiB per warp, smem {} KiB, "
-                                       "attention items of {} in up to {} chunks of at least {} positions, rows on {}, producer pause {} ns; "
-                                       "other buckets: ring)",
+                                       "attention items of {} in up to {} chunks of at least {} positions, rows on {}, producer pause {} ns, "
+                                       "{} words in flight per thread while staging; other buckets: ring)",
                                        mega_geo.grid, mega_geo.slots, mega_geo.slot_bytes / 1024, mega_geo.smem / 1024.0,
                                        cfg.group_size() < 2 || mega.attn_heads == 1 ? "1 query head"
                                        : mega.attn_heads == 2                       ? "2 query heads"
@@ -622,7 +622,7 @@ struct Engine::Impl {
                                        mega.attn_splits, mega.attn_min_chunk, mega.tiles != 0 ? fmt::format("tensor cores, tiles of 2 rows x {} weights", mega_geo.piece / 2)
                                        : mega.mma != 0 ? std::string("tensor cores")
                                                        : std::string("FMAs"),
-                                       mega.pace_ns)
+                                       mega.pace_ns, mega_geo.poll_batch)
                      : s + fmt::format(" ({}: ring kernels)", mega_off_reason.empty()
                                                                   ? std::string("shape not supported by the persistent kernel")
                                                                   : mega_off_reason);

@@ -239,6 +239,10 @@ TEST_CASE("... also with head_dim 128 and 4 query heads per kv head (16 lanes pe
 /// the rings wrap and refill; scripts/gpu-qwen.sh runs this test that way too).
 Config tiny_wide() { return tiny_shape("tiny_wide", 4096, 1280, 2304, 2, 8, 4, 128); }
 
+/// Wider than 2048 with head_dim 128 and groups of 4, as Qwen3-4B: the persistent kernel's tiles run
+/// the variant that stages with more activation words in flight per thread (mega.cu, kPollBatchWide).
+Config tiny_hidden2560() { return tiny_shape("tiny_hidden2560", 4096, 2560, 2560, 2, 8, 2, 128); }
+
 TEST_CASE("the ring GEMV gives logits bit-identical to the pipelined GEMV (same summation order)") {
   for (const Config& cfg : {preset("tiny"), tiny_hd128_g4(), tiny_wide()}) {
     CAPTURE(cfg.name);
@@ -264,13 +268,13 @@ TEST_CASE("the persistent kernel gives logits bit-identical to the ring kernels 
   // Contexts stay under the split-KV threshold, where the per-matrix attention runs one chunk. With
   // FMA rows (mega_mma off) the persistent kernel's arithmetic is the ring kernels'; with tensor-core
   // rows (the default) each step's logits stay within 1e-2 relative L2 of theirs, teacher-forced.
-  for (const Config& cfg : {preset("tiny"), tiny_hd128_g4(), tiny_wide()}) {
+  for (const Config& cfg : {preset("tiny"), tiny_hd128_g4(), tiny_wide(), tiny_hidden2560()}) {
     CAPTURE(cfg.name);
     Engine ref(cfg, small_opts(parse_variant("ring")), nullptr);
     EngineOptions fma = small_opts(parse_variant("mega"));
     fma.mega_mma = false;
     Engine mega(cfg, fma, nullptr);
-    Engine tc(cfg, small_opts(parse_variant("mega")), nullptr);  // tiles of 4 rows (the default)
+    Engine tc(cfg, small_opts(parse_variant("mega")), nullptr);  // tiles of 2 rows (the default)
     EngineOptions one_row = small_opts(parse_variant("mega"));
     one_row.mega_tiles = false;
     Engine rows(cfg, one_row, nullptr);  // tensor-core rows one (or two) at a time
