@@ -129,7 +129,8 @@ struct MegaParams {
   /// H100 the SMs' weight streams ran at uneven rates without it, different SMs slow in each phase
   /// (the slowest block of a GEMV phase finished 17% after the median one), and every phase waits
   /// for its slowest block: 100 ns made the 4B step 3% faster. On an H200 the same pause made it 11%
-  /// slower (docs/perf-notes.md, sixteenth round).
+  /// slower with 4 KiB tile slots, but 75 ns made it 2% faster with the 5 KiB slots it takes now
+  /// (docs/perf-notes.md, sixteenth and seventeenth rounds; MegaTuning).
   int pace_ns = 0;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
