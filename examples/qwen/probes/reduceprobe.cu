@@ -59,8 +59,7 @@ __device__ __forceinline__ unsigned long long counted(float v) {
 
 __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4* big, size_t big_n,
                       unsigned long long* stamps, float* sink) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int run;
+  __shared__ int run;  // (the launch's dynamic shared memory only keeps the blocks one per SM)
   const int tid = threadIdx.x, G = gridDim.x;
   if (tid == 0) run = 1;
   __syncthreads();
@@ -79,12 +78,15 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y += v[u].w;
-      i = (i + 256 * 132) % big_n;
+      i = (i + 256 * size_t(gridDim.x)) % big_n;
     }
     if (acc.x == 0x12345 && acc.y == 7) sink[0] = 1.f;
     return;
   }
   const int stride = mode == 2 ? 4 : 1;
+  // The element a thread adds to (counted modes but 3) and polls, k < 4: thread t takes t + 256 k, or
+  // (mode 4) each warp 128 contiguous elements.
+  auto elem = [&](int k) { return mode == 4 ? (tid >> 5) * 128 + (tid & 31) + 32 * k : tid + kThreads * k; };
   // Where element e lives: mode 5 puts block b's elements in line b (e's block from the split).
   auto at = [&](int e) -> size_t {
     if (mode != 5) return size_t(e) * stride;
@@ -107,7 +109,7 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
     } else {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int e = mode == 4 ? (tid >> 5) * 128 + (tid & 31) + 32 * k : tid + kThreads * k;
+        const int e = elem(k);
         red_w(v + size_t(e) * stride, counted(0.001f * e - 0.3f));
       }
     }
@@ -116,7 +118,7 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
     int need[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int e = mode == 4 ? (tid >> 5) * 128 + (tid & 31) + 32 * k : tid + kThreads * k;
+      const int e = elem(k);
       need[k] = mode == 3 ? (G / 8 + ((e / 128) < G % 8 ? 1 : 0)) : G;
       w[k] = ld_w(v + at(e));
     }
@@ -125,7 +127,7 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
       bool all = true;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int e = mode == 4 ? (tid >> 5) * 128 + (tid & 31) + 32 * k : tid + kThreads * k;
+        const int e = elem(k);
         const bool ok = mode == 0 || mode == 5 ? static_cast<unsigned>(w[k] >> 32) == tag : static_cast<int>(w[k] >> 56) == need[k];
         if (!ok) all = false, w[k] = ld_w(v + at(e));
       }
