@@ -20,9 +20,9 @@
 //               thread mapping).
 //   5 tagged, each block's words in a 128-byte line of their own (one writer per line; 132 lines to
 //               poll, 8 words of each).
-// H200 (nineteenth round), µs per exchange idle / with the memory stream: tagged 1.34-1.38 /
-// 1.41-1.50; counted by all 132 blocks 3.36-3.46 / 3.39-3.46 (32 bytes apart: 5.4 / 5.6); counted
-// by ~16 blocks 1.60-1.66 / 1.66-1.73; a line per block 1.86 / 2.18.
+// H200 (nineteenth round, three runs), µs per exchange idle / with the memory stream: tagged
+// 1.34-1.41 / 1.41-1.50; counted by all 132 blocks 3.36-3.46 / 3.39-3.49 (32 bytes apart: 5.4 / 5.6);
+// counted by ~16 blocks 1.60-1.66 / 1.66-1.73; a line per block 1.86-1.89 / 2.18.
 //   qwen_reduce_probe [iterations]
 #include "../device_helpers.cuh"
 
