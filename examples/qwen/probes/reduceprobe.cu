@@ -145,6 +145,10 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
 
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? atoi(argv[1]) : 400;
+  if (iters <= 20 || iters > 100000) {  // the first 20 exchanges are warm-up, not timed
+    printf("usage: qwen_reduce_probe [iterations: 21..100000, default 400]\n");
+    return 2;
+  }
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
