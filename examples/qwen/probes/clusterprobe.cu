@@ -29,6 +29,7 @@
 //                    No cluster barrier on the path.
 //   qwen_cluster_probe [iterations]
 #include "../device_helpers.cuh"
+#include "exchange_words.cuh"
 
 #include <algorithm>
 #include <cooperative_groups.h>
@@ -39,32 +40,12 @@
 
 namespace cg = cooperative_groups;
 using namespace qwen::dev;
-
-#define CK(x)                                                                   \
-  do {                                                                          \
-    cudaError_t e = (x);                                                        \
-    if (e != cudaSuccess) {                                                     \
-      printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      exit(1);                                                                  \
-    }                                                                           \
-  } while (0)
+using namespace qwen::probes;
 
 constexpr int kN = 1024;       // elements of a grid-wide exchange (the 0.6B hidden size)
 constexpr int kV = 512;        // elements of a cluster exchange
 constexpr int kThreads = 256;  // threads per block (8 warps)
 
-__device__ __forceinline__ unsigned long long ld_w(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_w(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void red_w(unsigned long long* p, unsigned long long v) {
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ int split(int i, int n, int parts) { return static_cast<int>((long long)i * n / parts); }
 __device__ __forceinline__ unsigned cluster_addr(const void* p, int rank) {  // a peer's shared address
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
@@ -84,11 +65,6 @@ __device__ __forceinline__ bool mbar_try_wait_cluster(unsigned long long* b, uns
       : "r"(smem_addr(b)), "r"(parity)
       : "memory");
   return ok != 0;
-}
-/// A counted word's addend: one contribution, and v in fixed point (2^-24) plus a bias that keeps it positive.
-__device__ __forceinline__ unsigned long long counted(float v) {
-  const long long f = __float2ll_rn(v * 16777216.f);
-  return (1ull << 56) + static_cast<unsigned long long>(f + (1ll << 47));
 }
 
 __global__ void probe(int mode, int iters, unsigned long long* buf, unsigned long long* stamps,

@@ -25,6 +25,7 @@
 // counted by ~16 blocks 1.60-1.66 / 1.66-1.73; a line per block 1.86-1.89 / 2.18.
 //   qwen_reduce_probe [iterations]
 #include "../device_helpers.cuh"
+#include "exchange_words.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -33,29 +34,10 @@
 #include <cuda_runtime.h>
 
 using namespace qwen::dev;
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
+using namespace qwen::probes;
 
 constexpr int kN = 1024;
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ unsigned long long ld_w(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_w(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void red_w(unsigned long long* p, unsigned long long v) {
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ int split(int i, int n, int parts) { return static_cast<int>((long long)i * n / parts); }
-
-__device__ __forceinline__ unsigned long long counted(float v) {
-  const long long f = __float2ll_rn(v * 16777216.f);  // 2^24
-  return (1ull << 56) + static_cast<unsigned long long>(f + (1ll << 47));
-}
 
 __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4* big, size_t big_n,
                       unsigned long long* stamps, float* sink) {
