@@ -157,6 +157,30 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, unsigned lon
   cluster.sync();  // no block leaves while a peer may still read its shared memory
 }
 
+/// A launch of `probe` in clusters of C blocks: the configuration, and how many such clusters can be
+/// resident at once (0 where none can).
+struct ClusterLaunch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t cfg{};
+  ClusterLaunch(int C, int grid, size_t smem) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(C), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // cfg points at attr
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+  [[nodiscard]] int resident(cudaError_t* error = nullptr) const {
+    int n = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, probe, &cfg);
+    if (error != nullptr) *error = e;
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e == cudaSuccess ? n : 0;
+  }
+};
+
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? atoi(argv[1]) : 400;
   if (iters <= 20 || iters > 100000) {  // the first 20 exchanges are warm-up, not timed
@@ -185,22 +209,10 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     printf("  %zu KiB:", smem >> 10);
     for (int C : cluster_sizes) {
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = static_cast<unsigned>(C), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(static_cast<unsigned>(sms / C * C));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cfg.attrs = &attr, cfg.numAttrs = 1;
-      int n = 0;
-      const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, probe, &cfg);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        printf("  C=%d: %s", C, cudaGetErrorString(e));
-      } else {
-        printf("  C=%d: %d (%d SMs)", C, n, n * C);
-      }
+      cudaError_t e = cudaSuccess;
+      const int n = ClusterLaunch(C, sms / C * C, smem).resident(&e);
+      if (e != cudaSuccess) printf("  C=%d: %s", C, cudaGetErrorString(e));
+      else printf("  C=%d: %d (%d SMs)", C, n, n * C);
     }
     printf("\n");
   }
@@ -227,25 +239,16 @@ int main(int argc, char** argv) {
     for (int C : cluster_sizes) {
       if (mode <= 1 && C != 1) continue;   // grid-wide baselines: no cluster
       if (mode >= 2 && C == 1) continue;   // cluster modes
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = static_cast<unsigned>(C), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cfg.attrs = &attr, cfg.numAttrs = 1;
-      cfg.gridDim = dim3(static_cast<unsigned>(sms / C * C));
-      int resident = 0;
-      if (cudaOccupancyMaxActiveClusters(&resident, probe, &cfg) != cudaSuccess || resident <= 0) {
-        (void)cudaGetLastError();
+      const int resident = ClusterLaunch(C, sms / C * C, smem).resident();
+      if (resident <= 0) {
         printf("%-44s C=%-2d  (cannot be resident)\n", names[mode], C);
         continue;
       }
       const int grid = std::min(sms / C, resident) * C;  // every block resident: the polls need it
-      cfg.gridDim = dim3(static_cast<unsigned>(grid));
+      const ClusterLaunch launch(C, grid, smem);
       for (int rep = 0; rep < 2; ++rep) {
         CK(cudaMemset(buf, 0, buf_words * 8));
-        CK(cudaLaunchKernelEx(&cfg, probe, mode, iters, buf, stamps, cycles, sink));
+        CK(cudaLaunchKernelEx(&launch.cfg, probe, mode, iters, buf, stamps, cycles, sink));
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
         if (rep == 0) continue;  // warm-up run
