@@ -8,6 +8,9 @@
 #   META       metadata paths (default "device mapped")
 #   FLAGS      extra flag sets, separated by commas (e.g. FLAGS=",--null-kernels": default and empty
 #              kernels); default: none
+#   CORES      CPU cores to pin the processes to (taskset -c), one per round in turn (e.g. CORES="0 4 8
+#              12"); default: not pinned. The eager step is the host's launch time, so this separates
+#              the host core's speed from the code's
 #   source .deps/tools/env.sh && NG=build/examples/nanogpt/nanogpt bash scripts/gpu-nanogpt-ab.sh
 set -uo pipefail
 NG=${NG:-build-gpu-nanogpt/examples/nanogpt/nanogpt}
@@ -16,15 +19,18 @@ ROUNDS=${ROUNDS:-8}
 META=${META:-device mapped}
 FLAGS=${FLAGS:-}
 IFS=',' read -r -a flag_sets <<< "$FLAGS"
+read -r -a cores <<< "${CORES:-}"
 [ ${#flag_sets[@]} -eq 0 ] && flag_sets=("")
 log=$(mktemp)
 for r in $(seq 1 "$ROUNDS"); do
+  pin=()
+  [ ${#cores[@]} -gt 0 ] && pin=(taskset -c "${cores[$(( (r - 1) % ${#cores[@]} ))]}")
   for f in "${flag_sets[@]}"; do
     for bin in $BINS; do
       for m in $META; do
         # shellcheck disable=SC2086  # $f: a set of flags
-        "$bin" --bench --meta "$m" $f 2>&1 | grep "^medium_generation per step" |
-          sed "s|^|round $r [$bin${f:+ $f}]: |" | tee -a "$log"
+        "${pin[@]}" "$bin" --bench --meta "$m" $f 2>&1 | grep "^medium_generation per step" |
+          sed "s|^|round $r${pin:+ core ${pin[2]}} [$bin${f:+ $f}]: |" | tee -a "$log"
       done
     done
   done
