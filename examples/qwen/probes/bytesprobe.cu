@@ -19,10 +19,7 @@
 #include "../device_helpers.cuh"
 #include "exchange_words.cuh"
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <vector>
 #include <cuda_runtime.h>
 
 using namespace qwen::dev;
@@ -120,28 +117,7 @@ __global__ void probe(int words, int iters, void* buf_, const uint4* big, size_t
   using T = typename Wd::T;
   __shared__ int run;  // (the launch's dynamic shared memory only keeps the blocks one per SM)
   const int tid = threadIdx.x, G = gridDim.x;
-  if (tid == 0) run = 1;
-  __syncthreads();
-  if (tid >= kThreads) {  // the loader warp: a memory stream until the exchange warps are done
-    if (big_n == 0) return;
-    const int lane = tid & 31;
-    size_t i = (size_t(blockIdx.x) * 4096 + lane) % big_n;
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    while (*(volatile int*)&run) {
-      uint4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(big + (i + u * 32) % big_n));
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y += v[u].w;
-      i = (i + 256 * size_t(gridDim.x)) % big_n;
-    }
-    if (acc.x == 0x12345 && acc.y == 7) sink[0] = 1.f;
-    return;
-  }
+  if (loader_warp(run, kThreads, big, big_n, sink)) return;  // a memory stream until the exchange is done
   T* buf = static_cast<T*>(buf_);
   const int per = (words + kThreads - 1) / kThreads;
   for (int it = 0; it < iters; ++it) {
@@ -179,37 +155,20 @@ constexpr Kernel kKernels[] = {probe<kF32>, probe<kHalf>, probe<kPk3>, probe<kQ3
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int iters = argc > 1 ? atoi(argv[1]) : 400;
-  if (iters <= 20 || iters > 20000) {  // the first 20 exchanges are warm-up, not timed
-    printf("usage: qwen_bytes_probe [iterations: 21..20000, default 400]\n");
-    return 2;
-  }
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, dev));
+  ChainHost host(argc, argv, 20000, "qwen_bytes_probe");
+  const int iters = host.iters, sms = host.sms;
   const size_t buf_bytes = size_t(iters) * kMaxWords * 16;
   void* buf = nullptr;
-  unsigned long long* stamps = nullptr;
-  uint4* big = nullptr;
-  const size_t big_bytes = size_t(1) << 30;
-  float* sink = nullptr;
   CK(cudaMalloc(&buf, buf_bytes));
-  CK(cudaMalloc(&stamps, iters * 8));
-  CK(cudaMalloc(&big, big_bytes));
-  CK(cudaMemset(big, 1, big_bytes));
-  CK(cudaMalloc(&sink, 64));
   const size_t smem = 150 * 1024;  // one block per SM
   for (Kernel k : kKernels)
     CK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  printf("device %s, %d SMs, %d iterations per run, median / p10 / p90 ns per exchange\n", prop.name, sms, iters);
+  printf("device %s, %d SMs, %d iterations per run, median / p10 / p90 ns per exchange\n", host.prop.name, sms, iters);
   struct Case {
     int format, elements;
   };
   const Case cases[] = {{kF32, 0}, {kF32, 256},  {kF32, 512},  {kF32, 1024}, {kF32, 2048}, {kF32, 3072}, {kHalf, 1024},
                         {kHalf, 2048}, {kHalf, 3072}, {kPk3, 1024}, {kPk3, 3072}, {kQ3, 1024},  {kQ3, 2048}};
-  std::vector<unsigned long long> h(iters);
   for (int load = 0; load < 2; ++load) {
     for (const Case& c : cases) {
       const int elements = c.elements ? c.elements : sms;  // 0: one word per block
@@ -218,28 +177,20 @@ int main(int argc, char** argv) {
         printf("case %d/%d: %d words do not fit the probe\n", c.format, elements, words);
         return 1;
       }
-      double med[2] = {0, 0}, p10 = 0, p90 = 0;
+      double first = 0;
+      ChainHost::Spread r{};
       for (int rep = 0; rep < 2; ++rep) {
         CK(cudaMemset(buf, 0, buf_bytes));
         int w = words, it = iters;
-        const uint4* bp = big;
-        size_t bn = load ? big_bytes / 16 : 0;
-        void* args[] = {&w, &it, &buf, &bp, &bn, &stamps, &sink};
-        CK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kKernels[c.format]), dim3(sms), dim3(kThreads + 32),
-                                       args, smem, 0));
-        CK(cudaGetLastError());
-        CK(cudaDeviceSynchronize());
-        CK(cudaMemcpy(h.data(), stamps, iters * 8, cudaMemcpyDeviceToHost));
-        std::vector<double> d;
-        for (int i = 20; i < iters; ++i) d.push_back(double(h[i] - h[i - 1]));
-        std::sort(d.begin(), d.end());
-        med[rep] = d[d.size() / 2];
-        p10 = d[d.size() / 10];
-        p90 = d[d.size() * 9 / 10];
+        const uint4* bp = host.big;
+        size_t bn = load ? host.big_bytes / 16 : 0;
+        void* args[] = {&w, &it, &buf, &bp, &bn, &host.stamps, &host.sink};
+        r = host.chain(reinterpret_cast<const void*>(kKernels[c.format]), args, kThreads + 32, smem);
+        if (rep == 0) first = r.median;
       }
       printf("%-9s %-26s %5d elements %5d words %6d B polled per block: %6.0f (first run %6.0f) / %6.0f / %6.0f\n",
              load ? "streaming" : "idle", kFormatNames[c.format], elements, words, words * kWordBytes[c.format],
-             med[1], med[0], p10, p90);
+             r.median, first, r.p10, r.p90);
     }
   }
   return 0;

@@ -43,28 +43,7 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
                       unsigned long long* stamps, float* sink) {
   __shared__ int run;  // (the launch's dynamic shared memory only keeps the blocks one per SM)
   const int tid = threadIdx.x, G = gridDim.x;
-  if (tid == 0) run = 1;
-  __syncthreads();
-  if (tid >= kThreads) {  // the loader warp: a memory stream until the exchange warps are done
-    if (big_n == 0) return;
-    const int lane = tid & 31;
-    size_t i = (size_t(blockIdx.x) * 4096 + lane) % big_n;
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    while (*(volatile int*)&run) {
-      uint4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(big + (i + u * 32) % big_n));
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y += v[u].w;
-      i = (i + 256 * size_t(gridDim.x)) % big_n;
-    }
-    if (acc.x == 0x12345 && acc.y == 7) sink[0] = 1.f;
-    return;
-  }
+  if (loader_warp(run, kThreads, big, big_n, sink)) return;  // a memory stream until the exchange is done
   const int stride = mode == 2 ? 4 : 1;
   // The element a thread adds to (counted modes but 3) and polls, k < 4: thread t takes t + 256 k, or
   // (mode 4) each warp 128 contiguous elements.
@@ -126,52 +105,29 @@ __global__ void probe(int mode, int iters, unsigned long long* buf, const uint4*
 }
 
 int main(int argc, char** argv) {
-  const int iters = argc > 1 ? atoi(argv[1]) : 400;
-  if (iters <= 20 || iters > 100000) {  // the first 20 exchanges are warm-up, not timed
-    printf("usage: qwen_reduce_probe [iterations: 21..100000, default 400]\n");
-    return 2;
-  }
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, dev));
+  ChainHost host(argc, argv, 100000, "qwen_reduce_probe");
+  const int iters = host.iters, sms = host.sms;
   if (sms > 255 || 16 * sms > kN * 4) { printf("more SMs than the probe's layouts hold\n"); return 1; }
   const size_t buf_words = size_t(iters) * kN * 4;
-  unsigned long long *buf = nullptr, *stamps = nullptr;
-  uint4* big = nullptr;
-  const size_t big_bytes = size_t(1) << 30;
-  float* sink = nullptr;
+  unsigned long long* buf = nullptr;
   CK(cudaMalloc(&buf, buf_words * 8));
-  CK(cudaMalloc(&stamps, iters * 8));
-  CK(cudaMalloc(&big, big_bytes));
-  CK(cudaMemset(big, 1, big_bytes));
-  CK(cudaMalloc(&sink, 64));
   const size_t smem = 150 * 1024;  // one block per SM
   CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  printf("device %s, %d SMs, %d iterations per run, median / p10 / p90 ns per exchange\n", prop.name, sms, iters);
+  printf("device %s, %d SMs, %d iterations per run, median / p10 / p90 ns per exchange\n", host.prop.name, sms, iters);
   const char* names[] = {"tagged own slice", "counted all 1024 (contiguous)", "counted all 1024 (32 B apart)",
                          "counted 128 per block (~16 per element)", "counted all 1024 (warp-blocked)",
                          "tagged own slice, a line per block"};
-  std::vector<unsigned long long> h(iters);
   for (int load = 0; load < 2; ++load) {
     for (int rep = 0; rep < 2; ++rep) {
       for (int mode = 0; mode < 6; ++mode) {
         CK(cudaMemset(buf, 0, buf_words * 8));
         int m = mode, it = iters;
-        const uint4* bp = big;
-        size_t bn = load ? big_bytes / 16 : 0;
-        void* args[] = {&m, &it, &buf, &bp, &bn, &stamps, &sink};
-        CK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(probe), dim3(sms), dim3(kThreads + 32), args, smem, 0));
-        CK(cudaGetLastError());
-        CK(cudaDeviceSynchronize());
-        CK(cudaMemcpy(h.data(), stamps, iters * 8, cudaMemcpyDeviceToHost));
-        std::vector<double> d;
-        for (int i = 20; i < iters; ++i) d.push_back(double(h[i] - h[i - 1]));
-        std::sort(d.begin(), d.end());
+        const uint4* bp = host.big;
+        size_t bn = load ? host.big_bytes / 16 : 0;
+        void* args[] = {&m, &it, &buf, &bp, &bn, &host.stamps, &host.sink};
+        const ChainHost::Spread r = host.chain(reinterpret_cast<const void*>(probe), args, kThreads + 32, smem);
         if (rep == 1)
-          printf("%-10s %-42s %7.0f / %7.0f / %7.0f\n", load ? "streaming" : "idle", names[mode], d[d.size() / 2],
-                 d[d.size() / 10], d[d.size() * 9 / 10]);
+          printf("%-10s %-42s %7.0f / %7.0f / %7.0f\n", load ? "streaming" : "idle", names[mode], r.median, r.p10, r.p90);
       }
     }
   }
