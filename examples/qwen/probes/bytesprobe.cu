@@ -193,5 +193,6 @@ int main(int argc, char** argv) {
              r.median, first, r.p10, r.p90);
     }
   }
+  CK(cudaFree(buf));
   return 0;
 }

@@ -100,6 +100,13 @@ struct ChainHost {
     CK(cudaMalloc(&sink, 64));
     h.resize(iters);
   }
+  ~ChainHost() {  // (errors ignored: the process is ending)
+    (void)cudaFree(sink);
+    (void)cudaFree(big);
+    (void)cudaFree(stamps);
+  }
+  ChainHost(const ChainHost&) = delete;
+  ChainHost& operator=(const ChainHost&) = delete;
   /// One cooperative launch of `kernel` (one block per SM: `smem` bytes of dynamic shared memory);
   /// returns the median, p10 and p90 of the time between successive exchanges, in ns.
   struct Spread {

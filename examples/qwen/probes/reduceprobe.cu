@@ -131,5 +131,6 @@ int main(int argc, char** argv) {
       }
     }
   }
+  CK(cudaFree(buf));
   return 0;
 }
