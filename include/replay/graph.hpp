@@ -98,6 +98,46 @@ class graph {
   }
   [[nodiscard]] std::size_t kernel_node_count() const { return count_nodes(cudaGraphNodeTypeKernel); }
 
+  /// One dependency of the graph (top level): `to` runs after `from`. `programmatic` is true for an
+  /// edge made by programmatic dependent launch (PDL), where `to` may start before `from` ends.
+  struct edge {
+    cudaGraphNode_t from = nullptr;
+    cudaGraphNode_t to = nullptr;
+    bool programmatic = false;
+  };
+  /// All edges of the graph (top level). Edge types need CUDA 12.3+; older runtimes report none
+  /// as programmatic.
+  [[nodiscard]] std::vector<edge> edges() const {
+    std::size_t n = 0;
+    REPLAY_CHECK(get_edges(checked(), nullptr, nullptr, nullptr, &n));
+    std::vector<cudaGraphNode_t> from(n), to(n);
+    std::vector<edge> out(n);
+    if (n == 0) return out;
+#if CUDART_VERSION >= 12030
+    std::vector<cudaGraphEdgeData> data(n);
+    REPLAY_CHECK(get_edges(g_, from.data(), to.data(), data.data(), &n));
+#else
+    REPLAY_CHECK(get_edges(g_, from.data(), to.data(), nullptr, &n));
+#endif
+    out.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      out[i].from = from[i];
+      out[i].to = to[i];
+#if CUDART_VERSION >= 12030
+      out[i].programmatic = data[i].type == cudaGraphDependencyTypeProgrammatic ||
+                            data[i].from_port == cudaGraphKernelNodePortProgrammatic ||
+                            data[i].from_port == cudaGraphKernelNodePortLaunchCompletion;
+#endif
+    }
+    return out;
+  }
+  /// Number of edges made by programmatic dependent launch (see launch.hpp).
+  [[nodiscard]] std::size_t programmatic_edge_count() const {
+    std::size_t n = 0;
+    for (const edge& e : edges()) n += e.programmatic ? 1 : 0;
+    return n;
+  }
+
   /// Writes a Graphviz DOT description of the graph (verbose by default).
   void write_dot(const std::string& path, unsigned flags = cudaGraphDebugDotFlagsVerbose) const {
     REPLAY_CHECK(cudaGraphDebugDotPrint(checked(), path.c_str(), flags), "path {}", path);
@@ -120,6 +160,18 @@ class graph {
   }
 
  private:
+  // cudaGraphGetEdges with edge data: the plain name from CUDA 13, the _v2 name in 12.3..12.x.
+  static cudaError_t get_edges(cudaGraph_t g, cudaGraphNode_t* from, cudaGraphNode_t* to,
+                               [[maybe_unused]] void* data, std::size_t* n) {
+#if CUDART_VERSION >= 13000
+    return cudaGraphGetEdges(g, from, to, static_cast<cudaGraphEdgeData*>(data), n);
+#elif CUDART_VERSION >= 12030
+    return cudaGraphGetEdges_v2(g, from, to, static_cast<cudaGraphEdgeData*>(data), n);
+#else
+    return cudaGraphGetEdges(g, from, to, n);
+#endif
+  }
+
   cudaGraph_t g_ = nullptr;
 };
 
