@@ -13,3 +13,6 @@
 #include <replay/bucket.hpp>
 #include <replay/graph_pool.hpp>
 #include <replay/runner.hpp>
+#include <replay/launch.hpp>
+#include <replay/conditional.hpp>
+#include <replay/device_loop.hpp>
