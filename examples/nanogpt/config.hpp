@@ -24,8 +24,8 @@ struct Config {
 static_assert(Config::n_embd == 32, "the kernels map one residual-stream element to one warp lane");
 static_assert(Config::n_head * Config::head_size == Config::n_embd);
 
-/// Everything that changes from one step to the next, at a fixed address (pinned host memory or
-/// replay::step_meta's device copy, see MetaPath). Kernels read it through a pointer, so a captured
+/// Everything that changes from one step to the next, at a fixed device address (replay::step_meta's
+/// device copy, see MetaPath). Kernels read it through a pointer, so a captured
 /// graph reads the current values on every replay instead of the values that were current at
 /// capture time. 16-byte aligned: the kernels read it as two 16-byte loads.
 struct alignas(16) StepMeta {
