@@ -266,7 +266,6 @@ int run_bench(Model& model, const Options& o, json& out) {
     const auto us_per_token = [](const nanogpt::GenerateResult& r) {
       return r.decode_us / static_cast<double>(r.tokens.size() - 1);
     };
-    (void)nanogpt::generate_looped(model, p, n, 16, {});  // captures the loop graph once
     for (int rep = 0; rep < repeats; ++rep) {
       const nanogpt::Sampling s{1.0f, 2000 + static_cast<std::uint64_t>(rep), false};
       const auto e = nanogpt::generate(model, p, n, Mode::eager, s, false);
@@ -275,7 +274,8 @@ int run_bench(Model& model, const Options& o, json& out) {
       per_token[1].push_back(us_per_token(g));
       loop_mismatches += e.tokens != g.tokens ? 1 : 0;
       for (std::size_t k = 0; k < std::size(loop_ks); ++k) {
-        const auto l = nanogpt::generate_looped(model, p, n, loop_ks[k], s, false);
+        // Captured afresh for each K (min(K, 8) steps per run of the body; not in decode_us).
+        const auto l = nanogpt::generate_looped(model, p, n, loop_ks[k], s, true);
         per_token[2 + k].push_back(us_per_token(l));
         loop_mismatches += l.tokens != g.tokens ? 1 : 0;
       }

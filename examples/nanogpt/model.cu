@@ -340,14 +340,18 @@ __device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head,
 // ============================================================================================
 
 /// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row. Launched
-/// without PDL (Launcher::pdl_first): it starts after the previous step has completed.
+/// without PDL (Launcher::pdl_first), it starts after the previous step has completed and its wait
+/// returns at once. Launched with PDL (the steps after the first in a run of the device loop's
+/// body), it waits for the previous step's sampler, which wrote the StepMeta it reads, and lets the
+/// step's next kernel start only then: that kernel and the later ones read the StepMeta before
+/// their own waits.
 template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
+  replay::pdl::wait();
   replay::pdl::launch_dependents();
-  // The metadata (pushed, or written by the previous step's sampler) and the prompt were written
-  // before this kernel started; the embeddings are constants.
   const StepMeta m = load_meta(meta);
+  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
   const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
   const int token = !active ? 0 : P == Phase::decode ? m.token : b.prompt[row];
@@ -365,7 +369,8 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
                                                                    const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
   const int lane = lane_id(), h = warp_id();
-  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load (possibly over the bus) overlaps it
+  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load overlaps the prologue
+  const bool halted = __ldcg(&meta->halt) != 0;
   // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
   // lanes 24-31 repeat the value rows (their result is not used).
   const int part = min(lane >> 3, 2);
@@ -375,6 +380,7 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
   float* k_head = b.k_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
   float* v_head = b.v_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
   const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
+  if (halted) return;  // the device loop has stopped: nothing to do
 
   replay::pdl::wait();
   Row32 x = load_activations(b.x);
@@ -450,9 +456,9 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
   const float b2 = load_weight(p.fc2_b + lane);
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = P == Phase::decode || row < __ldcg(&meta->seq_len);
+  const bool active = P == Phase::decode ? __ldcg(&meta->halt) == 0 : row < __ldcg(&meta->seq_len);
   replay::pdl::wait();
-  if (!active) return;  // prefill only
+  if (!active) return;  // a prefill row past the prompt, or the device loop has stopped
   float* x_row = b.x + row * C::n_embd;
   Row32 x = load_activations(x_row);
   const float x_lane = __ldcg(x_row + lane);
@@ -525,6 +531,7 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
   const float inv_t = greedy ? 1.0f : 1.0f / m.temperature;
   const float noise = greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
+  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
   replay::pdl::wait();
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
   Row32 x = load_activations(b.x + row * C::n_embd);
@@ -534,10 +541,13 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   const int token = argmax_block(t < C::vocab_size ? fmaf(logit, inv_t, noise) : -INFINITY);
   if (t == 0) {
     advance_meta(b.advance, m, token);
-    if (loop.header != nullptr)
-      (void)loop.append(token, m.seq_len + 1 >= C::block_size);  // the sequence now fills the context
-    else
+    if (loop.header != nullptr) {
+      // The sequence fills the context once this token is in it. When the loop stops, the steps
+      // left in this run of the body see `halt` and do nothing.
+      if (!loop.append(token, m.seq_len + 1 >= C::block_size)) b.advance->halt = 1;
+    } else {
       *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+    }
   }
 }
 
@@ -598,8 +608,13 @@ struct Launcher {
   }
 
   /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
-  void decode_step(cudaStream_t s) const {
-    embed(s, Phase::decode, 1);
+  /// `chained`: the step follows another step in the same graph (the device loop's body), so its
+  /// first kernel is launched with PDL too and waits for the previous step's sampler.
+  void decode_step(cudaStream_t s, bool chained = false) const {
+    if (chained)
+      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, opt.pdl), p.tok_emb, p.pos_emb, meta, b);
+    else
+      embed(s, Phase::decode, 1);
     for (int l = 0; l < C::n_layer; ++l) {
       attention_block(s, l);
       ffn_block(s, l, Phase::decode, 1);
@@ -655,6 +670,7 @@ struct Model::Impl {
   std::size_t graph_kernel_nodes = 0;
   replay::token_loop loop;                           // the device loop's token buffer (up to a context)
   replay::graph_exec loop_exec;                      // the captured device loop (capture_loop_graph)
+  int loop_steps_per_iteration = 0;
   bool step_in_flight = false;    // a step was enqueued and its token not waited for
   // MetaPath::device and the device loop: the metadata of the step in flight, and what the device
   // holds after it (the sampler's prediction, known once its token has been read).
@@ -794,6 +810,7 @@ struct Model::Impl {
     if (!loop_exec) throw replay::usage_error("nanogpt::Model: decode_loop() before capture_loop_graph()");
     settle();
     const replay::stream_ref s(stream.get());
+    if (predicted_valid) predicted.halt = 0;  // the loop graph clears `halt` before its first step
     set_meta(v, false, /*device_advances=*/true);
     loop.arm(s, max_steps, stop_token);
     loop_exec.launch(s);
@@ -806,6 +823,7 @@ struct Model::Impl {
     predicted.token = r.tokens.back();
     predicted.pos = v.seq_len + n - 1;
     predicted.seq_len = v.seq_len + n;
+    predicted.halt = 1;  // set by the step that stopped the loop
     predicted_valid = true;
     return {n, r.stop == replay::loop_stop::stop_token};
   }
@@ -895,17 +913,26 @@ void Model::capture_decode_graph() {
   s.synchronize();
 }
 
-void Model::capture_loop_graph() {
+void Model::capture_loop_graph(int steps_per_iteration) {
+  if (steps_per_iteration < 1 || steps_per_iteration > C::block_size)
+    throw std::invalid_argument(fmt::format("capture_loop_graph: {} steps per iteration (1 to {})",
+                                            steps_per_iteration, C::block_size));
   Impl& m = *impl_;
   Buffers b = m.buffers;
   b.advance = m.meta.device();  // every step of the loop writes the next step's metadata
   const replay::stream_ref s(m.stream.get());
   replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
+    // Every launch starts with `halt` clear, whatever the previous launch left there.
+    REPLAY_CHECK(cudaMemsetAsync(&m.meta.device()->halt, 0, sizeof(StepMeta::halt), cs.get()));
     m.loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
       const Launcher l{m.params, b, m.meta.device(), m.options, ref};
-      l.decode_step(body.get());
+      // Several steps per run of the body, each chained to the previous one by PDL (its embedding
+      // kernel waits for the previous sampler): the handoff between two steps is then one kernel
+      // handoff, not the end of a run of the body and the start of the next.
+      for (int i = 0; i < steps_per_iteration; ++i) l.decode_step(body.get(), /*chained=*/i > 0);
     });
   });
+  m.loop_steps_per_iteration = steps_per_iteration;
   m.loop_exec = g.instantiate({.upload_stream = s.get()});
   s.synchronize();
 }
@@ -925,6 +952,7 @@ LoopLaunch Model::decode_loop(std::int32_t token, int pos, const Sampling& sampl
 }
 
 bool Model::has_loop_graph() const noexcept { return static_cast<bool>(impl_->loop_exec); }
+int Model::loop_steps_per_iteration() const noexcept { return impl_->loop_steps_per_iteration; }
 
 bool Model::has_graph() const noexcept { return static_cast<bool>(impl_->exec); }
 std::size_t Model::graph_nodes() const noexcept { return impl_->graph_nodes; }
@@ -1002,7 +1030,7 @@ GenerateResult generate_looped(Model& model, std::span<const std::int32_t> promp
   r.tokens.push_back(token);
   if (fresh_capture || !model.has_loop_graph()) {
     sw.restart();
-    model.capture_loop_graph();
+    model.capture_loop_graph(std::min(tokens_per_launch, Model::default_loop_steps_per_iteration));
     r.capture_us = sw.elapsed_us();
   }
   replay_examples::stopwatch decode;

@@ -126,11 +126,18 @@ class Model {
   void capture_decode_graph();
   [[nodiscard]] bool has_graph() const noexcept;
 
-  /// Captures the device loop (nothing runs): a WHILE node whose body is one decode step whose
-  /// sampler appends its token to the loop's buffer and writes the next step's metadata. Replaces
-  /// a previous loop graph.
-  void capture_loop_graph();
+  /// Decode steps per run of the device loop's body unless told otherwise.
+  static constexpr int default_loop_steps_per_iteration = 8;
+
+  /// Captures the device loop (nothing runs): a WHILE node whose body is `steps_per_iteration`
+  /// decode steps chained by PDL; each step's sampler appends its token to the loop's buffer and
+  /// writes the next step's metadata, and once the loop stops the steps left in the body do
+  /// nothing. Any steps_per_iteration gives the same tokens; a launch costs whole runs of the body,
+  /// so a K below it pays for the steps that do nothing. Replaces a previous loop graph.
+  void capture_loop_graph(int steps_per_iteration = default_loop_steps_per_iteration);
   [[nodiscard]] bool has_loop_graph() const noexcept;
+  /// The steps per run of the body of the captured loop graph (0 before capture).
+  [[nodiscard]] int loop_steps_per_iteration() const noexcept;
   /// One launch of the device loop: feeds `token` at position `pos` and runs up to `max_steps`
   /// decode steps on the device, stopping after the step that samples `stop_token` (-1: none) or
   /// fills the context. Appends the tokens to `out` (one asynchronous copy, then one wait). The
@@ -183,7 +190,8 @@ GenerateResult generate(Model& model, std::span<const std::int32_t> prompt, int 
                         const Sampling& sampling, bool fresh_capture = true, std::int32_t stop_token = -1);
 
 /// The same generation with the device loop: prefill, then launches of up to `tokens_per_launch`
-/// (1..block_size) decode steps each. The same tokens as generate() for the same arguments.
+/// (1..block_size) decode steps each. The same tokens as generate() for the same arguments. A fresh
+/// capture runs min(tokens_per_launch, 8) steps per run of the loop's body.
 GenerateResult generate_looped(Model& model, std::span<const std::int32_t> prompt, int n_tokens,
                                int tokens_per_launch, const Sampling& sampling, bool fresh_capture = true,
                                std::int32_t stop_token = -1);

@@ -21,7 +21,8 @@
 // if_then() and make_condition() need a capture (their condition belongs to the captured graph).
 //
 // Guarantees: `condition` is a trivially copyable handle, passed to kernels by value; it is valid
-// in the graph it was made for (and in its execs) only. Bodies are captured on a stream of their
+// in the graph it was made for (and in its execs) only, and drives one conditional node (CUDA
+// refuses a second node on the same condition: make one condition per node). Bodies are captured on a stream of their
 // own (created and destroyed by the call), in capture_mode::thread_local_mode unless told
 // otherwise. An exception from a body ends the body capture and propagates; the enclosing
 // capture_scope then discards the whole graph. Errors: usage_error for a stream that is not
@@ -173,12 +174,12 @@ inline std::vector<cudaGraph_t> add_conditional(stream_ref s, capture_point& at,
   const cudaGraphNode_t* deps = at.dependencies.empty() ? nullptr : at.dependencies.data();
 #if CUDART_VERSION >= 13000
   REPLAY_CHECK(cudaGraphAddNode(&node, at.graph, deps, nullptr, at.dependencies.size(), &params),
-               "{}: adding the conditional node", what);
+               "{}: adding the conditional node (a condition drives one node only)", what);
   REPLAY_CHECK(cudaStreamUpdateCaptureDependencies(s.get(), &node, nullptr, 1, cudaStreamSetCaptureDependencies),
                "{}", what);
 #else
   REPLAY_CHECK(cudaGraphAddNode(&node, at.graph, deps, at.dependencies.size(), &params),
-               "{}: adding the conditional node", what);
+               "{}: adding the conditional node (a condition drives one node only)", what);
   REPLAY_CHECK(cudaStreamUpdateCaptureDependencies(s.get(), &node, 1, cudaStreamSetCaptureDependencies), "{}",
                what);
 #endif
@@ -242,7 +243,7 @@ void capture_body(cudaGraph_t body, const body_options& o, const char* what, Fn&
 
 }  // namespace detail
 
-/// Creates a condition in the graph being captured on `s`, for an IF (or WHILE) node captured
+/// Creates a condition in the graph being captured on `s`, for one IF (or WHILE) node captured
 /// later on `s` and set by a kernel captured before it. Throws usage_error when `s` is not
 /// capturing.
 [[nodiscard]] inline condition make_condition(stream_ref s, const condition_options& options = {}) {

@@ -40,7 +40,10 @@ __global__ void pdl_third(const int* b, int* count, const int* limit, int* trace
   if (n + 1 >= *limit) c.set(false);
 }
 
-__global__ void set_from(const int* flag, replay::condition c) { c.set(*flag != 0); }
+__global__ void set_from(const int* flag, replay::condition c, replay::condition d) {
+  c.set(*flag != 0);
+  d.set(*flag != 0);
+}
 __global__ void write_value(int* out, int v) { *out = v; }
 
 // A stand-in for a decode step: the "sampled" token is a function of the step metadata; the kernel
@@ -161,7 +164,8 @@ TEST_CASE("an IF node takes both branches") {
   replay::device_buffer<int> flag(1), out(1), other(1);
   replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
     const replay::condition c = replay::make_condition(cs, {.default_value = 0});
-    replay::launch(set_from, {.stream = cs}, flag.data(), c);
+    const replay::condition d = replay::make_condition(cs, {.default_value = 0});  // one per node
+    replay::launch(set_from, {.stream = cs}, flag.data(), c, d);
 #if CUDART_VERSION >= 12080
     replay::if_then_else(
         cs, c, [&](replay::stream_ref body) { replay::launch(write_value, {.stream = body}, out.data(), 11); },
@@ -169,8 +173,8 @@ TEST_CASE("an IF node takes both branches") {
 #else
     replay::if_then(cs, c, [&](replay::stream_ref body) { replay::launch(write_value, {.stream = body}, out.data(), 11); });
 #endif
-    // A second IF on the same condition: runs only when it is set.
-    replay::if_then(cs, c, [&](replay::stream_ref body) { replay::launch(write_value, {.stream = body}, other.data(), 33); });
+    // A plain IF: runs only when its condition is set.
+    replay::if_then(cs, d, [&](replay::stream_ref body) { replay::launch(write_value, {.stream = body}, other.data(), 33); });
   });
   CHECK(g.count_nodes(cudaGraphNodeTypeConditional) == 2);
   replay::graph_exec exec = g.instantiate();
@@ -353,4 +357,22 @@ TEST_CASE("conditional nodes refuse misuse with usage_error") {
   replay::token_loop moved = std::move(loop);
   CHECK_THROWS_AS(loop.arm(s, 1), replay::usage_error);
   CHECK(moved.capacity() == 4u);
+}
+
+TEST_CASE("a condition drives one node: a second node on it is refused, naming the rule" *
+          doctest::test_suite("expected_cuda_errors")) {
+  replay::stream s;
+  replay::device_buffer<int> out(1);
+  const auto body = [&](replay::stream_ref b) { replay::launch(write_value, {.stream = b}, out.data(), 1); };
+  try {
+    (void)replay::capture(s, [&](replay::stream_ref cs) {
+      const replay::condition c = replay::make_condition(cs);
+      replay::if_then(cs, c, body);
+      replay::if_then(cs, c, body);
+    });
+    FAIL("a second node on one condition was accepted");
+  } catch (const replay::cuda_error& e) {
+    CHECK(contains(e.what(), "a condition drives one node only"));
+  }
+  CHECK_FALSE(s.is_capturing());
 }

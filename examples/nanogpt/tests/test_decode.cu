@@ -392,7 +392,9 @@ TEST_CASE("the device loop gives the tokens of eager and graph decoding for seve
         const auto graph_logits = model.logits();
         for (int k : {1, 3, 16, 64}) {
           CAPTURE(k);
-          const auto l = generate_looped(model, prompt, c.tokens, k, c.sampling, /*fresh_capture=*/k == 1);
+          // A fresh capture: min(k, 8) steps per run of the loop's body.
+          const auto l = generate_looped(model, prompt, c.tokens, k, c.sampling, /*fresh_capture=*/true);
+          CHECK(model.loop_steps_per_iteration() == std::min(k, Model::default_loop_steps_per_iteration));
           CHECK(l.tokens == g.tokens);
           CHECK_FALSE(l.stopped);
           CHECK(l.launch_us.size() == static_cast<std::size_t>((c.tokens - 1 + k - 1) / k));
@@ -424,11 +426,16 @@ TEST_CASE("a stop token ends every path at the same token, inside a launch of th
       CHECK(e.tokens == expected);
       CHECK(g.tokens == expected);
       CHECK(e.stopped);
-      for (int k : {4, 16, 64}) {
-        CAPTURE(k);
-        const auto l = generate_looped(model, prompt, 40, k, s, false, stop);
-        CHECK(l.tokens == expected);
-        CHECK(l.stopped);
+      // Any number of steps per run of the body: the steps after the stop do nothing.
+      for (int per_run : {1, 3, 8}) {
+        model.capture_loop_graph(per_run);
+        for (int k : {4, 16, 64}) {
+          CAPTURE(per_run);
+          CAPTURE(k);
+          const auto l = generate_looped(model, prompt, 40, k, s, false, stop);
+          CHECK(l.tokens == expected);
+          CHECK(l.stopped);
+        }
       }
     }
     // A stop token that never comes: the full generation.
@@ -474,6 +481,7 @@ TEST_CASE("the device loop refuses bad arguments") {
   CHECK_THROWS_AS((void)model.decode_loop(70, 3, {}, 2, -1, out), std::invalid_argument);
   CHECK_THROWS_AS((void)generate_looped(model, encode("abc"), 10, 0, {}), std::invalid_argument);
   CHECK_THROWS_AS((void)generate_looped(model, encode("abc"), 10, 65, {}), std::invalid_argument);
+  CHECK_THROWS_AS(model.capture_loop_graph(0), std::invalid_argument);
   CHECK(out.empty());
 }
 
