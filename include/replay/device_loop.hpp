@@ -26,7 +26,9 @@
 //
 // The step limit and the stop token are data on the device (arm() pushes them), and the graph
 // resets the count at the start of every launch, so one graph serves every K and a pool key need
-// not contain it. Nothing else of the loop lives on the host: whatever the step reads per step must
+// not contain it. A run of the body may hold several steps (a WHILE iteration costs more than a
+// kernel handoff); the loop stops only at the end of a run, so the steps after the one whose
+// append() returned false must skip their work (e.g. on a flag that kernel sets). Nothing else of the loop lives on the host: whatever the step reads per step must
 // be advanced by the device (see docs/guide.md, "Device-side loops").
 //
 // Guarantees: `token_loop` is move-only (moved-from: every use throws usage_error); its device
