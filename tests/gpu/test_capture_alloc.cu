@@ -30,6 +30,8 @@ struct fail_next {
 };
 }  // namespace
 
+// nvcc sees the global allocation functions as __host__ __device__; these are host-only.
+#pragma nv_diag_suppress 20011
 void* operator new(std::size_t n) { return checked_alloc(n); }
 void* operator new[](std::size_t n) { return checked_alloc(n); }
 void operator delete(void* p) noexcept { std::free(p); }

@@ -107,7 +107,8 @@ TEST_CASE("step_meta is zero for a non-blocking stream right after construction"
   REPLAY_CHECK(cudaDeviceSynchronize());
 }
 
-TEST_CASE("graph_exec::update keeps the exec's instantiate flags when it re-instantiates") {
+TEST_CASE("graph_exec::update keeps the exec's instantiate flags when it re-instantiates" *
+          doctest::test_suite("expected_cuda_errors")) {
   replay::stream s;
   replay::device_buffer<float> x(32);
   auto step = [&](int kernels) {
@@ -116,15 +117,15 @@ TEST_CASE("graph_exec::update keeps the exec's instantiate flags when it re-inst
       REPLAY_CHECK_LAUNCH("add_one");
     });
   };
-  replay::graph_exec exec = step(1).instantiate({.use_node_priority = true, .upload_stream = s.get()});
+  replay::graph_exec exec = step(1).instantiate({.device_launch = true, .upload_stream = s.get()});
   unsigned long long before = 0;
   REPLAY_CHECK(cudaGraphExecGetFlags(exec.get(), &before));
-  CHECK((before & cudaGraphInstantiateFlagUseNodePriority) != 0);
+  CHECK((before & cudaGraphInstantiateFlagDeviceLaunch) != 0);
   const replay::update_result r = exec.update(step(3));  // topology changed: re-instantiated
   CHECK(r.reinstantiated);
   unsigned long long after = 0;
   REPLAY_CHECK(cudaGraphExecGetFlags(exec.get(), &after));
-  CHECK((after & cudaGraphInstantiateFlagUseNodePriority) != 0);
+  CHECK((after & cudaGraphInstantiateFlagDeviceLaunch) != 0);
   exec.launch(s);
   s.synchronize();
 }
