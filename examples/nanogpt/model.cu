@@ -765,7 +765,6 @@ struct Model::Impl {
       const bool in_graph = options.meta == MetaPath::graph_copy;
       set_meta(v, in_graph, advances);
       exec.launch(s);
-      if (in_graph) meta.launched(s);
     } else {
       set_meta(v, false, advances);
       launcher().decode_step(stream.get());
