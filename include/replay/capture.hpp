@@ -53,6 +53,8 @@ class capture_scope {
     if (s.get() == nullptr)
       throw usage_error("replay::capture_scope: the legacy default stream (0) cannot be captured; "
                         "use a replay::stream");
+    if (detail::capture_observer* o = detail::capture_observer_slot().load(std::memory_order_acquire))
+      o->capture_begins(s.get());
     REPLAY_CHECK(cudaStreamBeginCapture(s.get(), static_cast<cudaStreamCaptureMode>(mode)));
     detail::capturing_streams().push_back(s.get());
     active_ = true;
