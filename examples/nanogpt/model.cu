@@ -887,7 +887,6 @@ struct Model::Impl {
       const bool in_graph = options.meta == MetaPath::graph_copy;
       set_meta(v, in_graph);
       exec.launch(s);
-      if (in_graph) meta.launched(s);
     } else {
       set_meta(v, false);
       launcher().decode_step(stream.get());

@@ -359,7 +359,7 @@ TEST_CASE("key hashing: member hash(), std::hash, and describe_key") {
 
 // ---- statistics -------------------------------------------------------------------------------
 
-TEST_CASE("stats arithmetic: hit rate, rows, eager counts, per-key figures") {
+TEST_CASE("stats arithmetic: hit rate, rows, per-key figures") {
   fixture f;
   auto pool = f.make({.capacity = 2});
   pool.run(8, 0, f.step, {.real = 5, .bucket = 8});   // miss
@@ -367,10 +367,6 @@ TEST_CASE("stats arithmetic: hit rate, rows, eager counts, per-key figures") {
   pool.run(8, 0, f.step, {.real = 8, .bucket = 8});   // hit
   pool.run(4, 0, f.step, {.real = 3, .bucket = 4});   // miss
   pool.run(2, 0, f.step, {.real = 2, .bucket = 2});   // miss, evicts 8
-  pool.note_eager(replay::step_path::eager_oversize, {.real = 100, .bucket = 0});
-  pool.note_eager(replay::step_path::eager_fallback, {.real = 1, .bucket = 1});
-  pool.note_eager(replay::step_path::eager_disabled, {});
-  pool.note_eager(replay::step_path::replayed, {.real = 1000});  // not an eager path: ignored
 
   const replay::pool_stats s = pool.stats();
   CHECK(s.hits == 2);
@@ -379,14 +375,11 @@ TEST_CASE("stats arithmetic: hit rate, rows, eager counts, per-key figures") {
   CHECK(s.hit_rate() == doctest::Approx(0.4));
   CHECK(s.captures == 3);
   CHECK(s.evictions == 1);
-  CHECK(s.eager_oversize == 1);
-  CHECK(s.eager_fallbacks == 1);
-  CHECK(s.eager_disabled == 1);
-  CHECK(s.eager_runs() == 3);
-  CHECK(s.real_rows == 5 + 7 + 8 + 3 + 2 + 100 + 1);
-  CHECK(s.padded_rows == 8 + 8 + 8 + 4 + 2 + 100 + 1);
+  CHECK(s.eager_runs() == 0);  // eager runs are the runner's (runner.hpp)
+  CHECK(s.real_rows == 5 + 7 + 8 + 3 + 2);
+  CHECK(s.padded_rows == 8 + 8 + 8 + 4 + 2);
   CHECK(s.padding_rows() == 3 + 1 + 0 + 1);
-  CHECK(s.padding_waste() == doctest::Approx(5.0 / 131.0));
+  CHECK(s.padding_waste() == doctest::Approx(5.0 / 30.0));
   CHECK(s.resident == 2);
   CHECK(s.capacity == 2);
   REQUIRE(s.keys.size() == 3);
