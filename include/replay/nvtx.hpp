@@ -9,7 +9,14 @@
 // `nvtx_range` is an RAII scope: the range opens in the constructor and closes in the destructor
 // (on the same thread, as NVTX requires for push/pop ranges). The name is copied by NVTX when the
 // range opens, so it may be a temporary. For a range opened on every step, build the name once
-// (`nvtx_name("replay", key)`) and pass the cached string: no formatting per step.
+// (an `nvtx_label`, as the graph pool keeps one per key) and pass it: no formatting per step.
+//
+// Where replay opens ranges: "capture <key>" and "instantiate <key>" (cuda_graph_backend.hpp: the
+// capture of a pool miss, its instantiation with upload), "replay <key>" (graph_pool.hpp: every
+// cudaGraphLaunch of a pool hit or miss), "evict <key>" (graph_pool.hpp), "eager fallback <key>",
+// "eager oversize <key>" and "eager disabled <key>" (runner.hpp: a step run without its graph),
+// "warmup <key>" (graph_pool.hpp: eager runs before a capture), and "upload" / "update"
+// (graph_exec.hpp, which knows no key).
 //
 // Guarantees: never throws (a failure to format the name gives a shorter name); not copyable or
 // movable (it is a scope). Thread-safe as NVTX is.
@@ -77,9 +84,21 @@ inline void nvtx_push(const char* name) noexcept {
 inline void nvtx_pop() noexcept { (void)nvtxDomainRangePop(nvtx_domain()); }
 }  // namespace detail
 
+/// A range name built once and kept (e.g. per graph key) so that a range opened every step does
+/// no formatting. Empty when NVTX is compiled out.
+struct nvtx_label {
+  std::string name;
+  template <class Key>
+  void set(std::string_view what, const Key& key) noexcept {
+    name = nvtx_name(what, key);
+  }
+};
+
 /// An NVTX push/pop range in the "replay" domain, open for the object's lifetime.
 class nvtx_range {
  public:
+  /// A range named by a kept label (no formatting).
+  explicit nvtx_range(const nvtx_label& label) noexcept { detail::nvtx_push(label.name.c_str()); }
   /// A range named `name` (copied by NVTX now).
   explicit nvtx_range(const char* name) noexcept { detail::nvtx_push(name); }
   explicit nvtx_range(const std::string& name) noexcept { detail::nvtx_push(name.c_str()); }
@@ -96,9 +115,16 @@ class nvtx_range {
 
 #else
 
+/// NVTX compiled out (REPLAY_NVTX=0): holds nothing.
+struct nvtx_label {
+  template <class Key>
+  void set(std::string_view, const Key&) noexcept {}
+};
+
 /// NVTX compiled out (REPLAY_NVTX=0): does nothing.
 class nvtx_range {
  public:
+  explicit nvtx_range(const nvtx_label&) noexcept {}
   explicit nvtx_range(const char*) noexcept {}
   explicit nvtx_range(const std::string&) noexcept {}
   template <class Key>
