@@ -9,6 +9,10 @@
 // `write_graph_summary(graph, path)` writes DOT when the path ends in ".dot" and JSON otherwise.
 // The audit (audit.hpp) compares two such descriptions.
 //
+// The runtime has no parameter-count query: cudaFuncGetParamInfo is asked for parameters until it
+// answers cudaErrorInvalidValue, once per distinct kernel, so compute-sanitizer's
+// --report-api-errors lists one expected error per kernel inspected.
+//
 // Guarantees: inspecting does not modify or launch the graph. The description is plain data and
 // stays valid after the graph is destroyed (argument bytes are copied). Addresses it holds are
 // numbers, never dereferenced. Thread safety: as CUDA graphs, one thread per graph at a time.
@@ -185,32 +189,51 @@ inline ordered_graph order_graph(cudaGraph_t h) {
   return og;
 }
 
-/// The argument buffer of a kernel node, laid out by cudaFuncGetParamInfo. Sets args_known.
-inline void read_kernel_args(const cudaKernelNodeParams& p, node_info& n) {
+/// A kernel's parameter layout; `known` is false when the runtime has none for the function.
+struct kernel_layout {
+  std::vector<param_layout> params;
+  bool known = false;
+};
+
+/// The parameter layout of `func` from cudaFuncGetParamInfo. The runtime has no parameter-count
+/// query, so parameters are read until it answers cudaErrorInvalidValue (one expected API error per
+/// distinct kernel, which compute-sanitizer's --report-api-errors lists).
+inline kernel_layout read_layout(const void* func) {
+  kernel_layout l;
+  cudaError_t stop = cudaSuccess;
+  for (std::size_t i = 0;; ++i) {
+    std::size_t offset = 0, size = 0;
+    stop = cudaFuncGetParamInfo(func, i, &offset, &size);
+    if (stop != cudaSuccess) {
+      (void)cudaGetLastError();  // past the last parameter (or no layout): not an error here
+      break;
+    }
+    l.params.push_back({offset, size});
+  }
+  // Index 0 out of range means "no parameters"; any other error means the runtime has no layout
+  // for this function (e.g. a kernel launched through the driver API by another library).
+  l.known = !l.params.empty() || stop == cudaErrorInvalidValue;
+  return l;
+}
+
+/// The argument buffer of a kernel node, laid out by `layouts` (filled per function on first use).
+inline void read_kernel_args(const cudaKernelNodeParams& p, node_info& n,
+                             std::map<const void*, kernel_layout>& layouts) {
   n.params.clear();
   n.args.clear();
   n.args_known = false;
   if (p.func == nullptr) return;
   if (p.kernelParams != nullptr) {
-    cudaError_t stop = cudaSuccess;
-    for (std::size_t i = 0;; ++i) {
-      std::size_t offset = 0, size = 0;
-      stop = cudaFuncGetParamInfo(p.func, i, &offset, &size);
-      if (stop != cudaSuccess) {
-        (void)cudaGetLastError();  // past the last parameter (or no layout): not an error here
-        break;
-      }
-      n.params.push_back({offset, size});
-    }
+    auto it = layouts.find(p.func);
+    if (it == layouts.end()) it = layouts.emplace(p.func, read_layout(p.func)).first;
+    n.params = it->second.params;
     std::size_t total = 0;
     for (const param_layout& l : n.params) total = std::max(total, l.offset + l.size);
     n.args.assign(total, 0);
     for (std::size_t i = 0; i < n.params.size(); ++i)
       if (p.kernelParams[i] != nullptr && n.params[i].size != 0)
         std::memcpy(n.args.data() + n.params[i].offset, p.kernelParams[i], n.params[i].size);
-    // Index 0 out of range means "no parameters"; any other error means the runtime has no layout
-    // for this function (e.g. a kernel launched through the driver API by another library).
-    n.args_known = !n.params.empty() || stop == cudaErrorInvalidValue;
+    n.args_known = it->second.known;
     return;
   }
   if (p.extra != nullptr) {  // {CU_LAUNCH_PARAM_BUFFER_POINTER, buf, CU_LAUNCH_PARAM_BUFFER_SIZE, &size, END}
@@ -256,7 +279,8 @@ constexpr bool has_conditional_bodies(long) {
   return false;
 }
 
-inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, graph_summary& out) {
+inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, graph_summary& out,
+                         std::map<const void*, kernel_layout>& layouts) {
   const ordered_graph og = order_graph(h);
   const std::size_t base = out.nodes.size();
   // First the nodes of this level (so edge indices are base + rank), then each node's bodies.
@@ -276,7 +300,7 @@ inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, gr
         n.grid = {p.gridDim.x, p.gridDim.y, p.gridDim.z};
         n.block = {p.blockDim.x, p.blockDim.y, p.blockDim.z};
         n.shared_bytes = p.sharedMemBytes;
-        read_kernel_args(p, n);
+        read_kernel_args(p, n, layouts);
         break;
       }
       case cudaGraphNodeTypeMemcpy: {
@@ -335,7 +359,8 @@ inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, gr
   for (std::size_t r = 0; r < og.nodes.size(); ++r)
     for (std::size_t b = 0; b < bodies[r].size(); ++b)
       if (bodies[r][b] != nullptr)
-        inspect_into(bodies[r][b], prefix + std::to_string(r) + "/" + std::to_string(b) + "/", depth + 1, out);
+        inspect_into(bodies[r][b], prefix + std::to_string(r) + "/" + std::to_string(b) + "/", depth + 1, out,
+                     layouts);
 }
 
 inline std::string dims(const std::array<unsigned, 3>& d) { return fmt::format("[{},{},{}]", d[0], d[1], d[2]); }
@@ -346,7 +371,8 @@ inline std::string dims(const std::array<unsigned, 3>& d) { return fmt::format("
 /// Throws cuda_error if CUDA cannot describe a node, usage_error on an empty graph.
 [[nodiscard]] inline graph_summary inspect(const graph& g) {
   graph_summary s;
-  detail::inspect_into(g.checked(), "", 0, s);
+  std::map<const void*, detail::kernel_layout> layouts;
+  detail::inspect_into(g.checked(), "", 0, s, layouts);
   return s;
 }
 

@@ -30,16 +30,23 @@ std::string capture_message(replay::stream_ref s, const std::function<void(repla
   }
 }
 
+/// compute-sanitizer and profilers are CUPTI clients themselves, and CUPTI allows one: under them
+/// the watch is unavailable and these cases cannot run (they say so and check nothing).
+bool another_cupti_client(const replay::capture_watch& w) {
+  if (w.available() || w.unavailable_reason().find("MULTIPLE_SUBSCRIBERS") == std::string::npos) return false;
+  std::printf("NOT RUN (another CUPTI client, e.g. compute-sanitizer, is attached): %s\n",
+              w.unavailable_reason().c_str());
+  return true;
+}
+
 }  // namespace
 
 TEST_SUITE("expected_cuda_errors") {
 
 TEST_CASE("capture_watch names an unchecked call of our own that broke the capture") {
   replay::capture_watch watch;
-  if (!watch.available()) {
-    std::printf("capture_watch unavailable: %s\n", watch.unavailable_reason().c_str());
-    FAIL("CUPTI is needed for this test: " << watch.unavailable_reason());
-  }
+  if (another_cupti_client(watch)) return;
+  REQUIRE_MESSAGE(watch.available(), watch.unavailable_reason());
   replay::stream s;
   void* p = nullptr;
   const std::string msg = capture_message(s, [&](replay::stream_ref) {
@@ -57,6 +64,7 @@ TEST_CASE("capture_watch names an unchecked call of our own that broke the captu
 
 TEST_CASE("capture_watch names the CUDA call that cuBLAS made inside a capture") {
   replay::capture_watch watch;
+  if (another_cupti_client(watch)) return;
   REQUIRE_MESSAGE(watch.available(), watch.unavailable_reason());
   replay::stream s;
   replay::device_buffer<float> x(256), y(256);
