@@ -9,9 +9,14 @@
 // `write_graph_summary(graph, path)` writes DOT when the path ends in ".dot" and JSON otherwise.
 // The audit (audit.hpp) compares two such descriptions.
 //
+// Kernels another library launched through the driver API (cuBLAS's, for one) are described
+// through the driver's entry points (cuGraphKernelNodeGetParams, cuFuncGetName, cuFuncGetParamInfo,
+// resolved at run time with cudaGetDriverEntryPoint: nothing links libcuda).
+//
 // The runtime has no parameter-count query: cudaFuncGetParamInfo is asked for parameters until it
 // answers cudaErrorInvalidValue, once per distinct kernel, so compute-sanitizer's
-// --report-api-errors lists one expected error per kernel inspected.
+// --report-api-errors lists one expected error per kernel inspected (and one per driver-launched
+// kernel node, which the runtime refuses before the driver describes it).
 //
 // Guarantees: inspecting does not modify or launch the graph. The description is plain data and
 // stays valid after the graph is destroyed (argument bytes are copied). Addresses it holds are
@@ -29,13 +34,17 @@
 #include <replay/graph.hpp>
 #include <replay/launch.hpp>
 
+#include <cuda.h>  // driver types only (entry points are resolved at run time; nothing links libcuda)
+
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -195,51 +204,85 @@ struct kernel_layout {
   bool known = false;
 };
 
-/// The parameter layout of `func` from cudaFuncGetParamInfo. The runtime has no parameter-count
-/// query, so parameters are read until it answers cudaErrorInvalidValue (one expected API error per
-/// distinct kernel, which compute-sanitizer's --report-api-errors lists).
-inline kernel_layout read_layout(const void* func) {
+/// Driver entry points for kernel nodes the runtime cannot describe (kernels another library
+/// launched through the driver API, such as cuBLAS's): resolved once per inspect() through
+/// cudaGetDriverEntryPoint, so nothing links libcuda.
+struct driver_kernel_api {
+  bool loaded = false;
+  CUresult (*node_params)(CUgraphNode, CUDA_KERNEL_NODE_PARAMS*) = nullptr;
+  CUresult (*func_name)(const char**, CUfunction) = nullptr;
+  CUresult (*func_param_info)(CUfunction, std::size_t, std::size_t*, std::size_t*) = nullptr;
+  CUresult (*kernel_name)(const char**, CUkernel) = nullptr;
+  CUresult (*kernel_param_info)(CUkernel, std::size_t, std::size_t*, std::size_t*) = nullptr;
+
+  template <class F>
+  static void resolve(const char* symbol, [[maybe_unused]] unsigned version, F& fn) noexcept {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint(symbol, &p, cudaEnableDefault, &q);
+#endif
+    if (e == cudaSuccess && q == cudaDriverEntryPointSuccess && p != nullptr) fn = reinterpret_cast<F>(p);
+    else (void)cudaGetLastError();
+  }
+  void load() noexcept {
+    if (loaded) return;
+    loaded = true;
+    resolve("cuGraphKernelNodeGetParams", 12000, node_params);
+    resolve("cuFuncGetName", 12030, func_name);
+    resolve("cuFuncGetParamInfo", 12040, func_param_info);
+    resolve("cuKernelGetName", 12030, kernel_name);
+    resolve("cuKernelGetParamInfo", 12040, kernel_param_info);
+  }
+};
+
+/// What inspect() keeps while it walks one graph: layouts per kernel, driver entry points.
+struct inspect_context {
+  std::map<std::uintptr_t, kernel_layout> layouts;
+  driver_kernel_api driver;
+};
+
+/// A parameter layout read with `info(i, &offset, &size)` until it fails. The runtime has no
+/// parameter-count query, so the last call is expected to fail (one API error per distinct kernel,
+/// which compute-sanitizer's --report-api-errors lists). `no_more` is the code that means "index
+/// out of range" (no such parameter): any other failure at index 0 means no layout is known.
+template <class Info>
+kernel_layout read_layout(Info&& info, int no_more) {
   kernel_layout l;
-  cudaError_t stop = cudaSuccess;
+  int stop = 0;
   for (std::size_t i = 0;; ++i) {
     std::size_t offset = 0, size = 0;
-    stop = cudaFuncGetParamInfo(func, i, &offset, &size);
-    if (stop != cudaSuccess) {
-      (void)cudaGetLastError();  // past the last parameter (or no layout): not an error here
-      break;
-    }
+    stop = info(i, &offset, &size);
+    if (stop != 0) break;
     l.params.push_back({offset, size});
   }
-  // Index 0 out of range means "no parameters"; any other error means the runtime has no layout
-  // for this function (e.g. a kernel launched through the driver API by another library).
-  l.known = !l.params.empty() || stop == cudaErrorInvalidValue;
+  l.known = !l.params.empty() || stop == no_more;
   return l;
 }
 
-/// The argument buffer of a kernel node, laid out by `layouts` (filled per function on first use).
-inline void read_kernel_args(const cudaKernelNodeParams& p, node_info& n,
-                             std::map<const void*, kernel_layout>& layouts) {
+/// A kernel node's argument buffer: kernelParams (one pointer per parameter, laid out by `layout`)
+/// or the packed `extra` buffer.
+inline void read_kernel_args(void** kernel_params, void** extra, const kernel_layout& layout, node_info& n) {
   n.params.clear();
   n.args.clear();
   n.args_known = false;
-  if (p.func == nullptr) return;
-  if (p.kernelParams != nullptr) {
-    auto it = layouts.find(p.func);
-    if (it == layouts.end()) it = layouts.emplace(p.func, read_layout(p.func)).first;
-    n.params = it->second.params;
+  if (kernel_params != nullptr) {
+    n.params = layout.params;
     std::size_t total = 0;
     for (const param_layout& l : n.params) total = std::max(total, l.offset + l.size);
     n.args.assign(total, 0);
     for (std::size_t i = 0; i < n.params.size(); ++i)
-      if (p.kernelParams[i] != nullptr && n.params[i].size != 0)
-        std::memcpy(n.args.data() + n.params[i].offset, p.kernelParams[i], n.params[i].size);
-    n.args_known = it->second.known;
+      if (kernel_params[i] != nullptr && n.params[i].size != 0)
+        std::memcpy(n.args.data() + n.params[i].offset, kernel_params[i], n.params[i].size);
+    n.args_known = layout.known;
     return;
   }
-  if (p.extra != nullptr) {  // {CU_LAUNCH_PARAM_BUFFER_POINTER, buf, CU_LAUNCH_PARAM_BUFFER_SIZE, &size, END}
+  if (extra != nullptr) {  // {CU_LAUNCH_PARAM_BUFFER_POINTER, buf, CU_LAUNCH_PARAM_BUFFER_SIZE, &size, END}
     const void* buf = nullptr;
     std::size_t size = 0;
-    for (void* const* e = p.extra; *e != nullptr; e += 2) {
+    for (void* const* e = extra; *e != nullptr; e += 2) {
       const auto key = reinterpret_cast<std::uintptr_t>(e[0]);
       if (key == 0x01) buf = e[1];
       else if (key == 0x02 && e[1] != nullptr) std::memcpy(&size, e[1], sizeof size);
@@ -279,8 +322,52 @@ constexpr bool has_conditional_bodies(long) {
   return false;
 }
 
+/// `raw` demangled where the C++ ABI library can (or as it is).
+inline std::string demangle(const char* raw) {
+  if (raw == nullptr) return "<unknown kernel>";
+#if defined(__GNUC__) || defined(__clang__)
+  int status = 0;
+  std::unique_ptr<char, decltype(&std::free)> d(abi::__cxa_demangle(raw, nullptr, nullptr, &status), &std::free);
+  if (status == 0 && d) return std::string(d.get());
+#endif
+  return std::string(raw);
+}
+
+/// Describes a kernel node through the driver API; false when the driver cannot either.
+inline bool describe_driver_kernel(cudaGraphNode_t node, node_info& n, inspect_context& ctx) {
+  ctx.driver.load();
+  const driver_kernel_api& d = ctx.driver;
+  CUDA_KERNEL_NODE_PARAMS p{};
+  if (d.node_params == nullptr || d.node_params(reinterpret_cast<CUgraphNode>(node), &p) != CUDA_SUCCESS) return false;
+  const char* raw = nullptr;
+  if (p.func != nullptr) {
+    n.func = reinterpret_cast<std::uintptr_t>(p.func);
+    if (d.func_name != nullptr && d.func_name(&raw, p.func) != CUDA_SUCCESS) raw = nullptr;
+  } else {
+    n.func = reinterpret_cast<std::uintptr_t>(p.kern);
+    if (d.kernel_name != nullptr && d.kernel_name(&raw, p.kern) != CUDA_SUCCESS) raw = nullptr;
+  }
+  n.kernel = demangle(raw);
+  n.grid = {p.gridDimX, p.gridDimY, p.gridDimZ};
+  n.block = {p.blockDimX, p.blockDimY, p.blockDimZ};
+  n.shared_bytes = p.sharedMemBytes;
+  auto it = ctx.layouts.find(n.func);
+  if (it == ctx.layouts.end()) {
+    kernel_layout l;
+    if (p.func != nullptr && d.func_param_info != nullptr)
+      l = read_layout([&](std::size_t i, std::size_t* o, std::size_t* sz) { return static_cast<int>(d.func_param_info(p.func, i, o, sz)); },
+                      CUDA_ERROR_INVALID_VALUE);
+    else if (p.func == nullptr && d.kernel_param_info != nullptr)
+      l = read_layout([&](std::size_t i, std::size_t* o, std::size_t* sz) { return static_cast<int>(d.kernel_param_info(p.kern, i, o, sz)); },
+                      CUDA_ERROR_INVALID_VALUE);
+    it = ctx.layouts.emplace(n.func, std::move(l)).first;
+  }
+  read_kernel_args(p.kernelParams, p.extra, it->second, n);
+  return true;
+}
+
 inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, graph_summary& out,
-                         std::map<const void*, kernel_layout>& layouts) {
+                         inspect_context& ctx) {
   const ordered_graph og = order_graph(h);
   const std::size_t base = out.nodes.size();
   // First the nodes of this level (so edge indices are base + rank), then each node's bodies.
@@ -294,13 +381,31 @@ inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, gr
     switch (n.type) {
       case cudaGraphNodeTypeKernel: {
         cudaKernelNodeParams p{};
-        REPLAY_CHECK(cudaGraphKernelNodeGetParams(node, &p));
+        const cudaError_t e = cudaGraphKernelNodeGetParams(node, &p);
+        if (e != cudaSuccess) {
+          // A kernel another library launched through the driver API: the runtime does not know
+          // its function; the driver does.
+          (void)cudaGetLastError();
+          if (e == cudaErrorInvalidDeviceFunction && describe_driver_kernel(node, n, ctx)) break;
+          REPLAY_CHECK(e);
+        }
         n.func = reinterpret_cast<std::uintptr_t>(p.func);
         n.kernel = kernel_name(p.func);
         n.grid = {p.gridDim.x, p.gridDim.y, p.gridDim.z};
         n.block = {p.blockDim.x, p.blockDim.y, p.blockDim.z};
         n.shared_bytes = p.sharedMemBytes;
-        read_kernel_args(p, n, layouts);
+        auto it = ctx.layouts.find(n.func);
+        if (it == ctx.layouts.end() && p.func != nullptr)
+          it = ctx.layouts
+                   .emplace(n.func, read_layout(
+                                        [&](std::size_t i, std::size_t* o, std::size_t* sz) {
+                                          const cudaError_t r = cudaFuncGetParamInfo(p.func, i, o, sz);
+                                          if (r != cudaSuccess) (void)cudaGetLastError();
+                                          return static_cast<int>(r);
+                                        },
+                                        cudaErrorInvalidValue))
+                   .first;
+        if (it != ctx.layouts.end()) read_kernel_args(p.kernelParams, p.extra, it->second, n);
         break;
       }
       case cudaGraphNodeTypeMemcpy: {
@@ -360,7 +465,7 @@ inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, gr
     for (std::size_t b = 0; b < bodies[r].size(); ++b)
       if (bodies[r][b] != nullptr)
         inspect_into(bodies[r][b], prefix + std::to_string(r) + "/" + std::to_string(b) + "/", depth + 1, out,
-                     layouts);
+                     ctx);
 }
 
 inline std::string dims(const std::array<unsigned, 3>& d) { return fmt::format("[{},{},{}]", d[0], d[1], d[2]); }
@@ -371,8 +476,8 @@ inline std::string dims(const std::array<unsigned, 3>& d) { return fmt::format("
 /// Throws cuda_error if CUDA cannot describe a node, usage_error on an empty graph.
 [[nodiscard]] inline graph_summary inspect(const graph& g) {
   graph_summary s;
-  std::map<const void*, detail::kernel_layout> layouts;
-  detail::inspect_into(g.checked(), "", 0, s, layouts);
+  detail::inspect_context ctx;
+  detail::inspect_into(g.checked(), "", 0, s, ctx);
   return s;
 }
 

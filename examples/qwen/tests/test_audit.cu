@@ -71,12 +71,13 @@ void run_audits() {
   } else {
     for (const decode_kernels k : {decode_kernels::mega, decode_kernels::ring, decode_kernels::legacy,
                                    decode_kernels::stream_step}) {
-      CAPTURE(decode_kernels_name(k));
+      const std::string kernels = decode_kernels_name(k);
+      CAPTURE(kernels);
       E e(preset("tiny"), audit_opts(k), nullptr);
       for (const int rows : {1, 4, 8}) {  // 8: cuBLAS GEMMs
         CAPTURE(rows);
         const replay::audit_report r = audit_bucket(e, rows);
-        std::printf("qwen %s bucket %d: %s\n", std::string(decode_kernels_name(k)).c_str(), rows,
+        std::printf("qwen %s bucket %d: %s\n", kernels.c_str(), rows,
                     fmt::format("{}", r).c_str());
         CHECK(r.clean());
         CHECK(r.nodes_compared == r.nodes_a);
