@@ -16,10 +16,8 @@
 // above the largest bucket (the caller then runs eagerly or refuses, see runner.hpp).
 //
 // Waste: a batch of n rows padded to bucket b computes b - n useless rows; `waste(n)` is the
-// fraction (b - n) / b. `average_waste(512)` averages it over n = 1..512 (uniform), which is the
-// figure the decode-optimization article quotes: about 25% for powers of two and about 3% for
-// every-8 buckets (the article rounds the latter to "about 4%"). `average_waste(weights)` does the
-// same for any distribution of batch sizes.
+// fraction (b - n) / b. `average_waste(512)` averages it over n = 1..512 (uniform);
+// `average_waste(weights)` does the same for any distribution of batch sizes.
 //
 // Guarantees: a policy is an immutable, sorted, duplicate-free, non-empty list of positive sizes;
 // construction with an invalid argument (max 0, step 0, empty list, a zero size, more than
@@ -62,7 +60,7 @@ enum class bucket_scheme : std::uint8_t {
 /// Padding waste of a bucket policy over a distribution of batch sizes.
 struct waste_summary {
   /// Mean over batch sizes n (weighted) of (bucket(n) - n) / bucket(n): the share of a padded
-  /// step's rows that are padding, averaged per step. The article's 25% / ~4% figures.
+  /// step's rows that are padding, averaged per step.
   double mean_waste = 0.0;
   /// Sum of padding rows over sum of computed rows (weighted): the share of all computed rows that
   /// are padding. Smaller than mean_waste when large batches dominate.

@@ -123,6 +123,16 @@ class cuda_graph_backend {
   /// The device this backend (and its pool) belongs to.
   [[nodiscard]] int device() const noexcept { return device_; }
 
+  /// Throws usage_error unless this backend's device is current (the pool calls it before a miss's
+  /// warm-up; launch() and capture() check as well).
+  void require_device(const char* what) const {
+    const int current = detail::current_device();
+    if (current != device_) [[unlikely]]
+      throw usage_error(fmt::format("replay::graph_pool::{}: the pool belongs to device {} but device "
+                                    "{} is current; make one pool per device and use each with its "
+                                    "own device current", what, device_, current));
+  }
+
   /// Captures `step` on `s`, instantiates and uploads it into `out`, and records `fence` after the
   /// upload. Updates `phase` as it goes (capture, then instantiate) so a failure can be attributed.
   /// Throws what the step or CUDA throws; a failed capture is discarded by capture_scope and leaves
@@ -231,14 +241,6 @@ class cuda_graph_backend {
     graph_exec exec;
     event done;
   };
-  void require_device(const char* what) const {
-    const int current = detail::current_device();
-    if (current != device_) [[unlikely]]
-      throw usage_error(fmt::format("replay::graph_pool::{}: the pool belongs to device {} but device "
-                                    "{} is current; make one pool per device and use each with its "
-                                    "own device current", what, device_, current));
-  }
-
   std::vector<retired> retired_;
   int device_ = -1;
 };

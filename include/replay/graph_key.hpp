@@ -90,9 +90,8 @@ struct graph_key {
 
   friend constexpr bool operator==(const graph_key&, const graph_key&) noexcept = default;
   /// Hash of all members: each one multiplied by its own odd constant and rotated by its own
-  /// amount (independent, so the CPU does them in parallel), then one 64-bit finaliser. About a
-  /// quarter of the cost of chaining hash_mix per member on the pool's hit path. (A collision
-  /// never selects a wrong graph: the pool compares keys with operator==.)
+  /// amount (independent, so the CPU does them in parallel), then one 64-bit finaliser. (A
+  /// collision never selects a wrong graph: the pool compares keys with operator==.)
   [[nodiscard]] constexpr std::size_t hash() const noexcept {
     const auto rotl = [](std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
     std::uint64_t h = ((static_cast<std::uint64_t>(bucket) << 32) | dtype) * 0x9e3779b97f4a7c15ULL;

@@ -84,7 +84,8 @@ namespace replay {
 /// (copyable), `fence_type` (default-constructible, movable: marks a graph's last use),
 /// `capture(step, key, stream, options, phase&, exec&, fence&) -> capture_info`,
 /// `launch(const exec_type&, fence_type&, stream)`, `retire(exec_type&&, fence_type&&) noexcept`,
-/// `collect() noexcept`, `retired_pending()`, `clear_error() noexcept`.
+/// `collect() noexcept`, `retired_pending()`, `clear_error() noexcept`; optionally
+/// `require_device(const char*)`, called before a miss's warm-up.
 template <graph_pool_key Key, class Backend = cuda_graph_backend, class Hash = key_hash<Key>>
 class basic_graph_pool {
  public:
@@ -343,6 +344,7 @@ class basic_graph_pool {
   // Warm-up, make room, capture + instantiate + upload, then make `sl` resident and most recent.
   template <class Step>
   void install(slot& sl, stream_type s, Step& step) {
+    if constexpr (requires { backend_.require_device("capture"); }) backend_.require_device("capture");
     backend_.collect();
     pool_phase phase = pool_phase::warmup;
     busy_ = true;
