@@ -17,3 +17,7 @@
 #include <replay/cuda_graph_backend.hpp>
 #include <replay/graph_pool.hpp>
 #include <replay/runner.hpp>
+#include <replay/nvtx.hpp>
+#include <replay/inspect.hpp>
+#include <replay/audit.hpp>
+// replay/capture_watch.hpp (CUPTI) is included on its own: it is opt-in diagnostics.
