@@ -16,6 +16,8 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <replay/capture.hpp>
+#include <replay/inspect.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -437,6 +439,10 @@ int main(int argc, char** argv) {
   app.add_option("--parity-dump", o.parity_dump, "write prefill + teacher-forced decode logits of the prompt as "
                                                  "JSON (for parity.py)");
   app.add_option("--prefill-len", o.prefill_len, "--parity-dump: prompt tokens prefilled (default half)");
+  std::string dump_graph;
+  app.add_option("--dump-graph", dump_graph,
+                 "write the decode step's graph (kernels, grids, edges incl. PDL) to PATH: DOT if it ends in .dot, "
+                 "else JSON");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -480,6 +486,13 @@ int main(int argc, char** argv) {
                 : o.meta == "graph-copy" ? nanogpt::MetaPath::graph_copy
                                          : nanogpt::MetaPath::device};
     Model model(weights, options);
+    if (!dump_graph.empty()) {
+      const replay::graph step = replay::capture(replay::stream_ref(model.stream()), [&](replay::stream_ref cs) {
+        model.record_decode_step(cs.get());
+      });
+      replay::write_graph_summary(step, dump_graph);
+      if (!o.json_out) fmt::print("decode step graph ({} nodes) written to {}\n", step.node_count(), dump_graph);
+    }
 
     if (!o.parity_dump.empty()) return run_parity_dump(model, o, prompt);
 

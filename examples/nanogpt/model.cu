@@ -898,14 +898,16 @@ void Model::synchronize() {
   impl_->step_in_flight = false;
 }
 
+void Model::record_decode_step(cudaStream_t s) {
+  Impl& m = *impl_;
+  if (m.options.meta == MetaPath::graph_copy) m.meta.capture_copy(replay::stream_ref(s));  // every replay starts by copying StepMeta
+  m.launcher().decode_step(s);
+}
+
 void Model::capture_decode_graph() {
   Impl& m = *impl_;
-  const Launcher l = m.launcher();
   const replay::stream_ref s(m.stream.get());
-  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
-    if (m.options.meta == MetaPath::graph_copy) m.meta.capture_copy(cs);  // every replay starts by copying StepMeta
-    l.decode_step(cs.get());
-  });
+  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) { record_decode_step(cs.get()); });
   m.graph_nodes = g.node_count();
   m.graph_kernel_nodes = g.kernel_node_count();
   m.exec = g.instantiate({.upload_stream = s.get()});

@@ -124,6 +124,10 @@ class Model {
   /// Captures one decode step into a graph (nothing runs), instantiates and uploads it. Replaces a
   /// previous graph. Must not be called while a step is in flight (it never is: steps synchronise).
   void capture_decode_graph();
+  /// Issues the launches of one decode step on `s` (the copy node first with MetaPath::graph_copy)
+  /// and nothing else: what capture_decode_graph() captures. For diagnostics: capture it yourself
+  /// (replay::capture, replay::audit_step) to inspect or audit the step's graph.
+  void record_decode_step(cudaStream_t s);
   [[nodiscard]] bool has_graph() const noexcept;
 
   /// Decode steps per run of the device loop's body unless told otherwise.

@@ -54,6 +54,8 @@ class capture_scope {
     if (s.get() == nullptr)
       throw usage_error("replay::capture_scope: the legacy default stream (0) cannot be captured; "
                         "use a replay::stream");
+    if (detail::capture_observer* o = detail::capture_observer_slot().load(std::memory_order_acquire))
+      o->capture_begins(s.get());
     // Strongly exception-safe: the capture stack grows first (may throw bad_alloc with nothing
     // begun), and a failed begin leaves the stack as it was.
     detail::capturing_streams().push_back(s.get());

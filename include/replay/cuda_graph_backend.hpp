@@ -22,6 +22,7 @@
 #include <replay/event.hpp>
 #include <replay/graph.hpp>
 #include <replay/graph_exec.hpp>
+#include <replay/nvtx.hpp>
 #include <replay/pool_stats.hpp>
 #include <replay/stream.hpp>
 
@@ -148,16 +149,20 @@ class cuda_graph_backend {
     const auto t0 = clock::now();
     graph g;
     {
+      const nvtx_range range("capture", key);
       capture_scope scope(s, options.mode);
       detail::call_step(step, s, key);
       g = scope.finish();
     }
     const auto t1 = clock::now();
     phase = pool_phase::instantiate;
-    if (!fence.done) fence.done = event();
-    graph_exec e = g.instantiate({.upload_stream = s.get()});
-    fence.done.record(s);
-    out = std::move(e);
+    {
+      const nvtx_range range("instantiate", key);  // with the upload
+      if (!fence.done) fence.done = event();
+      graph_exec e = g.instantiate({.upload_stream = s.get()});
+      fence.done.record(s);
+      out = std::move(e);
+    }
     const auto t2 = clock::now();
     info.capture_ms = detail::ms_since(t0, t1);
     info.instantiate_ms = detail::ms_since(t1, t2);

@@ -20,6 +20,7 @@
 
 #include <replay/error.hpp>
 #include <replay/graph.hpp>
+#include <replay/nvtx.hpp>
 #include <replay/stream.hpp>
 
 #include <source_location>
@@ -135,7 +136,10 @@ class graph_exec {
   void launch(stream_ref s) const { REPLAY_CHECK(cudaGraphLaunch(checked("launch"), s.get())); }
 
   /// Uploads the exec's work descriptors to the device on `s`, so the first launch is not slower.
-  void upload(stream_ref s) const { REPLAY_CHECK(cudaGraphUpload(checked("upload"), s.get())); }
+  void upload(stream_ref s) const {
+    const nvtx_range range("upload");
+    REPLAY_CHECK(cudaGraphUpload(checked("upload"), s.get()));
+  }
 
   /// The options the exec was instantiated with (default for an adopted handle).
   [[nodiscard]] const instantiate_options& options() const noexcept { return options_; }
@@ -147,6 +151,7 @@ class graph_exec {
   update_result update(const graph& g) { return update(g, options_); }
   /// As update(g), re-instantiating with `options` when an in-place update is impossible.
   update_result update(const graph& g, const instantiate_options& options) {
+    const nvtx_range range("update");
     checked("update");
     cudaGraphExecUpdateResultInfo info{};
     const cudaError_t err = cudaGraphExecUpdate(e_, g.checked(), &info);

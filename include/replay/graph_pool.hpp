@@ -60,6 +60,7 @@
 #include <replay/detail/pool_lru.hpp>
 #include <replay/error.hpp>
 #include <replay/graph_key.hpp>
+#include <replay/nvtx.hpp>
 #include <replay/pool_stats.hpp>
 
 #include <fmt/format.h>
@@ -286,6 +287,7 @@ class basic_graph_pool {
                   evictions = 0;
     capture_info last_capture{};
     double total_capture_ms = 0.0;
+    nvtx_label replay_label;  // "replay <key>", built once
   };
 
   slot& slot_for(const Key& key) {
@@ -298,6 +300,7 @@ class basic_graph_pool {
                                       describe_key(key)));
       }
       it->second.key = &it->first;
+      it->second.replay_label.set("replay", it->first);
       try {
         order_.push_back(&it->second);
       } catch (...) {
@@ -314,6 +317,7 @@ class basic_graph_pool {
   }
 
   void launch(slot& sl, stream_type s) {
+    const nvtx_range range(sl.replay_label);
     try {
       backend_.launch(sl.exec, sl.fence, s);
     } catch (...) {
@@ -345,7 +349,10 @@ class basic_graph_pool {
     pool_phase phase = pool_phase::warmup;
     busy_ = true;
     try {
-      for (int i = 0; i < options_.warmup; ++i) detail::call_step(step, s, *sl.key);
+      if (options_.warmup > 0) {
+        const nvtx_range range("warmup", *sl.key);
+        for (int i = 0; i < options_.warmup; ++i) detail::call_step(step, s, *sl.key);
+      }
       make_room();
       exec_type exec{};
       const capture_info info = backend_.capture(step, *sl.key, s, options_, phase, exec, sl.fence);
@@ -375,6 +382,7 @@ class basic_graph_pool {
   }
 
   void evict_slot(slot& sl) noexcept {
+    const nvtx_range range("evict", *sl.key);
     lru_.erase(&sl);
     sl.resident = false;
     ++sl.evictions;

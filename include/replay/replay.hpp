@@ -19,3 +19,7 @@
 #include <replay/runner.hpp>
 #include <replay/conditional.hpp>
 #include <replay/device_loop.hpp>
+#include <replay/nvtx.hpp>
+#include <replay/inspect.hpp>
+#include <replay/audit.hpp>
+// replay/capture_watch.hpp (CUPTI) is included on its own: it is opt-in diagnostics.

@@ -37,6 +37,7 @@
 #include <replay/bucket.hpp>
 #include <replay/error.hpp>
 #include <replay/graph_pool.hpp>
+#include <replay/nvtx.hpp>
 
 #include <fmt/format.h>
 
@@ -256,7 +257,13 @@ class basic_step_runner {
 
   /// Runs the step eagerly for `key`, counted as `why` (an eager step_path).
   step_path eager(const Key& key, stream_type s, batch_rows rows, step_path why) {
-    step_(s, key);
+    {
+      const nvtx_range range(why == step_path::eager_fallback   ? "eager fallback"
+                             : why == step_path::eager_oversize ? "eager oversize"
+                                                                : "eager disabled",
+                             key);
+      step_(s, key);
+    }
     switch (why) {
       case step_path::eager_disabled: ++eager_.eager_disabled; break;
       case step_path::eager_fallback: ++eager_.eager_fallbacks; break;
