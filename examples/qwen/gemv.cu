@@ -403,8 +403,7 @@ void with_gemv(int rows, gemv_out mode, F&& f) {
     case 1: return by_mode(std::integral_constant<int, 1>{});
     case 2: return by_mode(std::integral_constant<int, 2>{});
     case 4: return by_mode(std::integral_constant<int, 4>{});
-    case 8: return by_mode(std::integral_constant<int, 8>{});
-    default: throw replay::usage_error("qwen::gemv: rows must be 1, 2, 4 or 8 (a decode bucket)");
+    default: throw replay::usage_error("qwen::gemv: rows must be 1, 2 or 4 (a decode bucket)");
   }
 }
 template <int B, gemv_out M, bool N>
@@ -513,7 +512,7 @@ void init_gemv_attributes() {
     REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   };
-  for (int rows : {1, 2, 4, 8})
+  for (int rows : {1, 2, 4})
     for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
       with_gemv<Ring>(rows, m, attrs);
       with_gemv<Pipelined>(rows, m, attrs);

@@ -41,9 +41,6 @@ if [[ "$skip" != *" bench "* ]]; then
   for p in qwen3-0.6b qwen3-4b; do
     "$bin/qwen" --preset "$p" --bench --gen "$steps" --json "$out/bench-$p.json" 2>&1 | tee "$out/bench-$p.txt" | grep -vE "^  seq|^\[" 
   done
-  # bucket 8 on cuBLAS instead of the fused GEMV, for comparison
-  "$bin/qwen" --preset qwen3-0.6b --bench --gen "$steps" --gemv-max-rows 4 --bench-batches 8 --long-prompt 0 --mode graph \
-    2>&1 | grep -A4 "Batched" | tee -a "$out/summary.txt"
 fi
 if [ "$research" = 1 ]; then
   rb="$build/research/qwen"

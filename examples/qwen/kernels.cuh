@@ -44,8 +44,9 @@ struct KvPool {
 
 // ---- GEMV (gemv.cu) --------------------------------------------------------------------------------
 
-/// Rows (batch rows of one step) the fused GEMV handles; larger buckets use cuBLAS (model.cu).
-inline constexpr int kGemvMaxRows = 8;
+/// Rows (batch rows of one step) the fused GEMV handles; larger buckets use cuBLAS (model.cu). At 8
+/// rows the GEMV's per-row arithmetic (unpacking x for every weight chunk) costs more than cuBLAS.
+inline constexpr int kGemvMaxRows = 4;
 
 /// What the fused GEMV does with y = W·x (per batch row b, output row n).
 enum class gemv_out {

@@ -35,10 +35,7 @@ class CublasHandle {
     if (h_ != nullptr) (void)cublasDestroy(h_);
   }
   CublasHandle(CublasHandle&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
-  CublasHandle& operator=(CublasHandle&& o) noexcept {
-    std::swap(h_, o.h_);
-    return *this;
-  }
+  CublasHandle& operator=(CublasHandle&&) = delete;
   [[nodiscard]] cublasHandle_t get() const { return h_; }
 
  private:

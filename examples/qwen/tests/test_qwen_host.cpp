@@ -199,8 +199,8 @@ TEST_CASE("request checks happen before GPU work") {
   o.kv_budget_bytes = 100;
   CHECK(contains(error_of([&] { o.validate(c); }), "at least 2 are needed"));
   o.kv_budget_bytes = static_cast<std::size_t>(kv_block_bytes(c, 16)) * 9;
-  o.gemv_max_rows = 3;
-  CHECK(contains(error_of([&] { o.validate(c); }), "fused-GEMV bucket must be 0, 1, 2, 4 or 8"));
+  o.gemv_max_rows = 8;
+  CHECK(contains(error_of([&] { o.validate(c); }), "fused-GEMV bucket must be 0, 1, 2 or 4"));
   o.gemv_max_rows = 4;
   CHECK(error_of([&] { o.validate(c); }).empty());
   o.kv_budget_bytes = std::size_t(1) << 62;  // a huge budget: the error gives a sane block count
