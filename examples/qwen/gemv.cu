@@ -199,7 +199,7 @@ __device__ __forceinline__ void gemv_argmax_block(const float (&best_v)[B], cons
 // ------------------------------------------------------------------------------------------------
 
 template <int B, gemv_out MODE, bool NORM, int U, int PRE>
-__global__ void __launch_bounds__(kGemvThreads) gemv_rowpipe_kernel(const bf16* __restrict__ W, int N, int K,
+__global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16* __restrict__ W, int N, int K,
                                                                     GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
                                                                     unsigned long long* keys) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
@@ -412,11 +412,11 @@ struct Ring {
 };
 template <int B, gemv_out M, bool N>
 struct Pipelined {
-  static constexpr auto kernel = gemv_rowpipe_kernel<B, M, N, 4, 1>;
+  static constexpr auto kernel = gemv_pipelined_kernel<B, M, N, 4, 1>;
 };
 template <int B, gemv_out M, bool N>
 struct PipelinedDeep {
-  static constexpr auto kernel = gemv_rowpipe_kernel<B, M, N, 4, 2>;
+  static constexpr auto kernel = gemv_pipelined_kernel<B, M, N, 4, 2>;
 };
 
 void check_linear(const Linear& op, int rows) {
