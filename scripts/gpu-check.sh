@@ -33,3 +33,19 @@ for cmd in "${gpu_cmds[@]}"; do
   done
 done
 "$build/examples/launch_overhead/launch_overhead" --iters 300 --json "$out/launch_overhead.json" 2>&1 | tee "$out/launch_overhead.txt"
+# racecheck on the tests whose kernels share memory (the PDL chain stages through shared memory).
+for t in gpu_test_launch; do
+  bin=$(find "$build" -name "$t" -type f -perm -u+x | head -1)
+  [ -n "$bin" ] || continue
+  echo "== racecheck $t" | tee -a "$out/racecheck.log"
+  timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool racecheck --racecheck-report all "$bin" \
+    -tse=expected_cuda_errors >"$out/racecheck-$t.log" 2>&1 || echo "exit $?" >>"$out/racecheck.log"
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test cases" "$out/racecheck-$t.log" | tee -a "$out/racecheck.log"
+done
+# BENCH=1: the launch-overhead chains with and without PDL (N = 10, 100, 400), JSON to $out.
+if [ -n "${BENCH:-}" ]; then
+  cmake -S . -B "$build" -DREPLAY_BUILD_BENCHMARKS=ON >/dev/null && cmake --build "$build" -j16 --target bench_launch_overhead >>"$out/build.log" 2>&1
+  "$build/benchmarks/bench_launch_overhead" --benchmark_filter='^(gpu|launch/(eager|eager_pdl|graph|graph_pdl)/sync)/.*N:(10|100|400)/' \
+    --benchmark_min_time=0.05 --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/launch_pdl.json" --benchmark_out_format=json 2>&1 | grep -E "median" | tee "$out/launch_pdl.txt"
+fi
