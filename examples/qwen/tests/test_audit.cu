@@ -1,11 +1,7 @@
 // The frozen-value audit on the Qwen decode step: each bucket's step is captured twice, after eager
 // steps at other positions with other tokens, and the two graphs must be identical (buckets on the
-// persistent kernel, the ring / per-matrix GEMV kernels and the cuBLAS GEMMs).
-//
-// It needs one diagnostics hook on the engine, `Engine::record_decode_step(int rows,
-// replay::stream_ref s)`: the launches of one decode step for a bucket of `rows` rows, with the
-// metadata the last decode() staged (what the graph pool captures). Until the engine has it, the
-// test fails with a message saying so.
+// fused GEMV kernels and on the cuBLAS GEMMs). `Engine::record_decode_step` issues the launches of
+// one decode step for a bucket, with the metadata the last decode() staged.
 #include <doctest/doctest.h>
 
 #include "gpu_test.hpp"
@@ -22,12 +18,8 @@ using namespace qwen;
 
 namespace {
 
-template <class E>
-concept has_record_hook = requires(E& e, replay::stream_ref s) { e.record_decode_step(1, s); };
-
-EngineOptions audit_opts(decode_kernels k) {
+EngineOptions audit_opts() {
   EngineOptions o;
-  o.kernels = k;
   o.max_batch = 8;
   o.max_bucket = 8;
   o.kv_budget_bytes = 32ull << 20;
@@ -63,26 +55,14 @@ replay::audit_report audit_bucket(E& e, int rows) {
   return rep;
 }
 
-template <class E>
 void run_audits() {
-  if constexpr (!has_record_hook<E>) {
-    FAIL("qwen::Engine has no record_decode_step(int rows, replay::stream_ref) hook: add it (see this file's "
-         "header) to audit the decode step");
-  } else {
-    for (const decode_kernels k : {decode_kernels::mega, decode_kernels::ring, decode_kernels::legacy,
-                                   decode_kernels::stream_step}) {
-      const std::string kernels = decode_kernels_name(k);
-      CAPTURE(kernels);
-      E e(preset("tiny"), audit_opts(k), nullptr);
-      for (const int rows : {1, 4, 8}) {  // 8: cuBLAS GEMMs
-        CAPTURE(rows);
-        const replay::audit_report r = audit_bucket(e, rows);
-        std::printf("qwen %s bucket %d: %s\n", kernels.c_str(), rows,
-                    fmt::format("{}", r).c_str());
-        CHECK(r.clean());
-        CHECK(r.nodes_compared == r.nodes_a);
-      }
-    }
+  Engine e(preset("tiny"), audit_opts(), nullptr);
+  for (const int rows : {1, 4, 8}) {  // 8: cuBLAS GEMMs
+    CAPTURE(rows);
+    const replay::audit_report r = audit_bucket(e, rows);
+    std::printf("qwen bucket %d: %s\n", rows, fmt::format("{}", r).c_str());
+    CHECK(r.clean());
+    CHECK(r.nodes_compared == r.nodes_a);
   }
 }
 
@@ -92,6 +72,6 @@ void run_audits() {
 // runtime has no count query): an expected API error per kernel, hence the suite.
 TEST_SUITE("expected_cuda_errors") {
 
-TEST_CASE("audit: every bucket's decode step graph is independent of positions and tokens") { run_audits<Engine>(); }
+TEST_CASE("audit: every bucket's decode step graph is independent of positions and tokens") { run_audits(); }
 
 }  // TEST_SUITE
