@@ -299,7 +299,9 @@ inline void parse_header(std::span<const std::byte> bytes, const std::string& fi
   const std::byte* data_section = bytes.data() + 8 + n;
   const std::uint64_t data_size = bytes.size() - 8 - n;
   const std::size_t first = out.size();
-  for (const auto& [name, entry] : j.items()) {
+  for (const auto& item : j.items()) {
+    const std::string& name = item.key();  // (not a structured binding: the lambda below captures it)
+    const nlohmann::json& entry = item.value();
     if (name == "__metadata__") {
       if (!entry.is_object())
         throw safetensors_error(fmt::format("{}: __metadata__ is not an object", file));
