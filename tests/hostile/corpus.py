@@ -392,6 +392,7 @@ def misaligned_nanogpt():
 
 
 NANO_ONLY.append(("misaligned", misaligned_nanogpt(), "not 4-byte aligned"))
+NANO_ONLY.append(("qwen_checkpoint", safetensors_bytes(qwen_tensors()), "50 of 50 parameters missing"))
 
 for name, data, msg, both in FILE_CASES:
     case("nanogpt_file_" + name, "nanogpt", ["--weights", "{d}/w.safetensors"], NANOGPT_ERROR, msg,
@@ -721,7 +722,7 @@ case("qwen_config_too_large", "qwen", ["--model", "{d}/m"], QWEN_INPUT_ERROR, "l
      lambda d: (qwen_dir(os.path.join(d, "m")), os.truncate(os.path.join(d, "m", "config.json"), 2 << 20)))
 case("qwen_model_missing", "qwen", ["--model", "{d}/none"], QWEN_INPUT_ERROR, "no such file")
 case("qwen_model_is_fifo", "qwen", ["--model", "{d}/pipe"], QWEN_INPUT_ERROR, "FIFO", fifo("pipe"))
-case("qwen_model_is_config_file", "qwen", ["--model", "{d}/m/config.json"], QWEN_INPUT_ERROR, "",
+case("qwen_model_is_config_file", "qwen", ["--model", "{d}/m/config.json"], QWEN_INPUT_ERROR, "not a safetensors file",
      lambda d: qwen_dir(os.path.join(d, "m")))
 case("qwen_model_dir_loop", "qwen", ["--model", "{d}/m"], QWEN_INPUT_ERROR, "symbolic link loop", symlink("{d}/m", "m"))
 case("qwen_model_no_weights", "qwen", ["--model", "{d}/m"], QWEN_INPUT_ERROR, "neither",
@@ -761,6 +762,9 @@ qweights("embed_shape", "expected shape [64, 64]",
 qweights("untied_no_lm_head", "missing tensor lm_head.weight", cfg=cfg_with(tie_word_embeddings=False))
 qweights("config_more_layers", "missing tensor model.layers.2", cfg=cfg_with(num_hidden_layers=3))
 qweights("config_wider_heads", "expected shape [256, 64]", cfg=cfg_with(num_attention_heads=4))
+case("qwen_weights_nanogpt_file", "qwen", ["--model", "{d}/m"], QWEN_INPUT_ERROR,
+     "missing tensor model.embed_tokens.weight",
+     lambda d: qwen_dir(os.path.join(d, "m"), weights=safetensors_bytes(nanogpt_tensors())))
 case("qwen_control_model", "qwen", ["--model", "{d}/m", "--prompt", "1,2,3", "--gen", "2"], OK, "",
      lambda d: qwen_dir(os.path.join(d, "m")))
 case("qwen_control_untied", "qwen", ["--model", "{d}/m", "--prompt", "1,2,3", "--gen", "2"], OK, "",
