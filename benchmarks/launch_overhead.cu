@@ -7,7 +7,10 @@
 //
 //   launch/<mode>/<sync>/N:n    one step = the N-kernel chain issued as
 //       eager       N kernel launches from the host
+//       eager_pdl   the same through replay::launch with programmatic dependent launch: each kernel
+//                   may start while its predecessor runs and waits in replay::pdl::wait()
 //       graph       one replay::graph_exec::launch of the captured chain
+//       graph_pdl   the PDL chain captured: programmatic edges between the kernels
 //       graph_raw   one raw cudaGraphLaunch of the same exec (the floor of replay's own overhead)
 //       graph_meta  replay::step_meta::push then graph_exec::launch; the kernels read the increment
 //                   through the step-metadata pointer (the decode-loop pattern)
@@ -55,6 +58,14 @@ constexpr int kSizes[] = {1, 10, 25, 50, 100, 400, 1600};
 /// counter += 1 (one thread). Each launch depends on the previous one through stream order.
 __global__ void tick(unsigned long long* counter) { *counter += 1; }
 
+/// counter += 1 under programmatic dependent launch: lets the next kernel start, then waits for the
+/// previous one before touching the counter.
+__global__ void tick_pdl(unsigned long long* counter) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  *counter += 1;
+}
+
 /// Per-step metadata of the graph_meta mode.
 struct tick_meta {
   unsigned long long increment;
@@ -72,6 +83,10 @@ void launch_chain(replay::stream_ref s, unsigned long long* counter, int n) {
   REPLAY_CHECK_LAUNCH("tick");
 }
 
+void launch_pdl_chain(replay::stream_ref s, unsigned long long* counter, int n) {
+  for (int i = 0; i < n; ++i) replay::launch(tick_pdl, {.stream = s, .pdl = true}, counter);
+}
+
 void launch_meta_chain(replay::stream_ref s, unsigned long long* counter, const tick_meta* meta, int n) {
   for (int i = 0; i < n; ++i) tick_meta_kernel<<<1, 1, 0, s.get()>>>(counter, meta);
   REPLAY_CHECK_LAUNCH("tick_meta_kernel");
@@ -86,12 +101,14 @@ struct chain_step {
 
 // ---- the chain under test ---------------------------------------------------------------------
 
-enum class mode { eager, graph, graph_raw, graph_meta, pool };
+enum class mode { eager, eager_pdl, graph, graph_pdl, graph_raw, graph_meta, pool };
 
 constexpr const char* to_string(mode m) {
   switch (m) {
     case mode::eager: return "eager";
+    case mode::eager_pdl: return "eager_pdl";
     case mode::graph: return "graph";
+    case mode::graph_pdl: return "graph_pdl";
     case mode::graph_raw: return "graph_raw";
     case mode::graph_meta: return "graph_meta";
     case mode::pool: return "pool";
@@ -106,7 +123,12 @@ class chain {
  public:
   chain(mode m, int n) : mode_(m), n_(n), counter_(1), meta_(tick_meta{1}) {
     switch (m) {
-      case mode::eager: break;
+      case mode::eager:
+      case mode::eager_pdl: break;
+      case mode::graph_pdl:
+        exec_ = replay::capture(s_, [&](replay::stream_ref cs) { launch_pdl_chain(cs, counter_.data(), n_); })
+                    .instantiate({.upload_stream = s_.get()});
+        break;
       case mode::graph:
       case mode::graph_raw:
         exec_ = replay::capture(s_, [&](replay::stream_ref cs) { launch_chain(cs, counter_.data(), n_); })
@@ -134,13 +156,17 @@ class chain {
   [[nodiscard]] replay::stream_ref stream() const { return s_; }
   [[nodiscard]] int kernels() const noexcept { return n_; }
   /// Host calls that issue one step (kernel launches or graph launches).
-  [[nodiscard]] int launches_per_step() const noexcept { return mode_ == mode::eager ? n_ : 1; }
+  [[nodiscard]] int launches_per_step() const noexcept {
+    return mode_ == mode::eager || mode_ == mode::eager_pdl ? n_ : 1;
+  }
 
   /// Issues one step (asynchronous).
   void step() {
     switch (mode_) {
       case mode::eager: launch_chain(s_, counter_.data(), n_); break;
-      case mode::graph: exec_.launch(s_); break;
+      case mode::eager_pdl: launch_pdl_chain(s_, counter_.data(), n_); break;
+      case mode::graph:
+      case mode::graph_pdl: exec_.launch(s_); break;
       case mode::graph_raw: REPLAY_CHECK(cudaGraphLaunch(exec_.get(), s_.get())); break;
       case mode::graph_meta:
         meta_.staging() = tick_meta{1};
@@ -427,12 +453,13 @@ bool register_all() {
     return b->ArgName("N")->UseManualTime()->Unit(benchmark::kMicrosecond);
   };
   for (const bool sync : {true, false})
-    for (const mode m : {mode::eager, mode::graph, mode::graph_raw, mode::graph_meta, mode::pool}) {
+    for (const mode m : {mode::eager, mode::eager_pdl, mode::graph, mode::graph_pdl, mode::graph_raw,
+                         mode::graph_meta, mode::pool}) {
       if (m == mode::pool && !REPLAY_BENCH_HAVE_POOL) continue;
       sized(benchmark::RegisterBenchmark(fmt::format("launch/{}/{}", to_string(m), sync ? "sync" : "nosync").c_str(),
                                          bm_launch, m, sync));
     }
-  for (const mode m : {mode::eager, mode::graph})
+  for (const mode m : {mode::eager, mode::eager_pdl, mode::graph, mode::graph_pdl})
     sized(benchmark::RegisterBenchmark(fmt::format("gpu/{}", to_string(m)).c_str(), bm_gpu, m));
   sized(benchmark::RegisterBenchmark("capture", bm_capture));
   sized(benchmark::RegisterBenchmark("instantiate", bm_instantiate));

@@ -161,7 +161,8 @@ def stamp(ctx):
 
 # ---- sections ----------------------------------------------------------------------------------
 
-LAUNCH_MODES = [("eager", "eager launches"), ("graph", "graph (replay::graph_exec)"),
+LAUNCH_MODES = [("eager", "eager launches"), ("eager_pdl", "eager + PDL"), ("graph", "graph (replay::graph_exec)"),
+                ("graph_pdl", "graph + PDL"),
                 ("graph_raw", "graph (raw cudaGraphLaunch)"), ("graph_meta", "graph + step_meta push"),
                 ("pool", "graph_pool hit")]
 
@@ -217,8 +218,10 @@ def launch_sections(res):
     rows = []
     for n in sizes:
         ge, gg = find(res, "gpu", "eager", N=n), find(res, "gpu", "graph", N=n)
+        gep, ggp = find(res, "gpu", "eager_pdl", N=n), find(res, "gpu", "graph_pdl", N=n)
         te = ge and ge.counter("gate_timeouts")
-        rows.append([n, mark(ge, "gpu_us_per_kernel", 3), mark(gg, "gpu_us_per_kernel", 3),
+        rows.append([n, mark(ge, "gpu_us_per_kernel", 3), mark(gep, "gpu_us_per_kernel", 3),
+                     mark(gg, "gpu_us_per_kernel", 3), mark(ggp, "gpu_us_per_kernel", 3),
                      f"{int(te)}" if te is not None else "–"])
     if any(r[1] != "–" for r in rows):
         md.append("### GPU-side cost per kernel\n\nCUDA-event time of the chain / N, with the stream held by a "
@@ -226,7 +229,8 @@ def launch_sections(res):
                   "the GPU's own per-kernel cost (launch gap included), without the host's launch rate. "
                   "Gate timeouts > 0 mean the launch queue filled and the host blocked (that row then "
                   "includes host time).\n\n")
-        md.append(table(["N", "eager µs/kernel", "graph µs/kernel", "eager gate timeouts"], rows))
+        md.append(table(["N", "eager µs/kernel", "eager + PDL", "graph µs/kernel", "graph + PDL",
+                         "eager gate timeouts"], rows))
         md.append("\n")
 
     rows = []

@@ -1,35 +1,115 @@
 #!/usr/bin/env bash
-# Core GPU check, run on the GPU machine from the repo root (see ../shared/device/README.md):
-#   source .deps/tools/env.sh && bash scripts/gpu-check.sh
-# Builds the core tests and the launch_overhead example, runs the GPU tests (plain and under
-# compute-sanitizer memcheck) and the demo, and writes logs to $OUT (or ./out).
-# TARGETS="a b" builds only those targets; CTEST_ARGS="-R x" selects tests.
+# The GPU check, run on a machine with an NVIDIA GPU from the repo root (see docs/guide.md; with the
+# unpacked Debian packages of ../shared/device: `source .deps/tools/env.sh` first):
+#   bash scripts/gpu-check.sh [stage ...]        (default stages: core nanogpt qwen)
+# Stages:
+#   core      configure and build everything (library checks, tests, all examples, benchmarks), run
+#             CTest, compute-sanitizer memcheck of every gpu-labelled test (two passes: memory errors
+#             only, then API errors too, leaving out the suite "expected_cuda_errors"), racecheck of
+#             the PDL chain test, the launch_overhead demo
+#   nanogpt   the NanoGPT CLI: default run with the device loop, --dump-graph, --bench (per-token
+#             table), parity against PyTorch (when torch is installed)
+#   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on a reduced case, parity.py
+#             against transformers (when installed), --bench for the 0.6B and 4B shapes
+#   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
+#   suite     every benchmark program through benchmarks/run.sh (JSON only)
+#   research  builds research/ (-DREPLAY_BUILD_RESEARCH=ON), runs its GPU test and the "graph of
+#             kernels vs persistent kernel" rows
+# Settings: OUT (logs, default ./out), BUILD_DIR (build-gpu), STEPS (decode steps per Qwen bench, 128),
+# MEMCHECK_TIMEOUT (seconds per sanitizer run, 300). summary.txt in $OUT collects the result lines.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
-build=${BUILD_DIR:-build-gpu-core}
-examples=${REPLAY_EXAMPLES:-launch_overhead}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
+build=${BUILD_DIR:-build-gpu}
+steps=${STEPS:-128}
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(core nanogpt qwen)
+sum="$out/summary.txt"
+say() { echo "$*" | tee -a "$sum"; }
+has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+mc_timeout=${MEMCHECK_TIMEOUT:-300}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$sum"
+research=OFF; has research && research=ON
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DREPLAY_EXAMPLES="$examples" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build "$build" -j16 ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
-(cd "$build" && ctest --output-on-failure -j4 ${CTEST_ARGS:-}) 2>&1 | tee "$out/ctest.log" | tail -25
-# memcheck, two passes per GPU test: (1) every test case, memory errors only (tests in the doctest
-# suite "expected_cuda_errors" provoke API errors on purpose); (2) all other cases with API-error
-# reporting on. Full logs go to $out/memcheck-full.log; the summary lines to $out/memcheck.log.
-san="compute-sanitizer --tool memcheck"
-: >"$out/memcheck-full.log"
-# Every test labelled "gpu" in CTest (core, pool, runner, examples), with its arguments.
-mapfile -t gpu_cmds < <(ctest --test-dir "$build" -L gpu ${CTEST_ARGS:-} --show-only=json-v1 | python3 -c '
+  -DREPLAY_BUILD_RESEARCH=$research >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+t0=$SECONDS
+cmake --build "$build" -j16 >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+say "build: $((SECONDS - t0)) s"
+ng="$build/examples/nanogpt/nanogpt"
+qw="$build/examples/qwen/qwen"
+
+if has core; then
+  (cd "$build" && ctest --output-on-failure -j4) >"$out/ctest.log" 2>&1
+  grep -E "tests passed|tests failed|\(Failed\)|Not Run|\*\*\*" "$out/ctest.log" | tee -a "$sum"
+  : >"$out/memcheck-full.log"
+  mapfile -t gpu_cmds < <(ctest --test-dir "$build" -L gpu --show-only=json-v1 | python3 -c '
 import json, shlex, sys
 for t in json.load(sys.stdin)["tests"]:
     if t.get("command"): print(shlex.join(t["command"]))')
-for cmd in "${gpu_cmds[@]}"; do
-  for pass in "--report-api-errors no|" "--report-api-errors explicit|-tse=expected_cuda_errors"; do
-    sflags=${pass%%|*}; tflags=${pass#*|}
-    case "$cmd" in *gpu_test_*|*_gpu|*_decode) ;; *) tflags="" ;; esac  # doctest filters only for doctest programs
-    echo "== memcheck $(basename "${cmd%% *}") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
-    eval "timeout ${MEMCHECK_TIMEOUT:-240} $san $sflags $cmd $tflags" >>"$out/memcheck-full.log" 2>&1 || echo "exit $? ($cmd)" >>"$out/memcheck-full.log"
-    tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases|^exit " | tee -a "$out/memcheck.log"
+  for cmd in "${gpu_cmds[@]}"; do
+    for pass in "--report-api-errors no|" "--report-api-errors explicit|-tse=expected_cuda_errors"; do
+      sflags=${pass%%|*}; tflags=${pass#*|}
+      case "$cmd" in *gpu_test_*|*_gpu|*_decode) ;; *) tflags="" ;; esac  # doctest filters for doctest programs only
+      echo "== memcheck $(basename "${cmd%% *}") $sflags $tflags" | tee -a "$out/memcheck.log" >>"$out/memcheck-full.log"
+      eval "timeout $mc_timeout compute-sanitizer --tool memcheck $sflags $cmd $tflags" >>"$out/memcheck-full.log" 2>&1 ||
+        echo "exit $? ($cmd)" >>"$out/memcheck-full.log"
+      tail -n 4 "$out/memcheck-full.log" | grep -E "ERROR SUMMARY|test cases|^exit " | tee -a "$out/memcheck.log"
+    done
   done
-done
-"$build/examples/launch_overhead/launch_overhead" --iters 300 --json "$out/launch_overhead.json" 2>&1 | tee "$out/launch_overhead.txt"
+  say "memcheck runs: $(grep -c '^== memcheck' "$out/memcheck.log"), with 0 errors: $(grep -c 'ERROR SUMMARY: 0 errors' "$out/memcheck.log")"
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report all "$build/tests/gpu_test_launch" \
+    -tse=expected_cuda_errors >"$out/racecheck-launch.log" 2>&1
+  grep -E "RACECHECK SUMMARY|test cases" "$out/racecheck-launch.log" | sed 's/^/racecheck gpu_test_launch: /' | tee -a "$sum"
+  "$build/examples/launch_overhead/launch_overhead" --iters 300 >"$out/launch_overhead.txt" 2>&1
+  tail -3 "$out/launch_overhead.txt" | tee -a "$sum"
+fi
+
+if has nanogpt; then
+  "$ng" --tokens-per-launch 16 --dump-graph "$out/nanogpt-graph.json" >"$out/nanogpt-run.log" 2>&1
+  say "nanogpt default run: rc=$?"; tail -3 "$out/nanogpt-run.log" | tee -a "$sum"
+  "$ng" --bench >"$out/nanogpt-bench.log" 2>&1
+  sed -n '/Decode time per token/,$p' "$out/nanogpt-bench.log" | tee -a "$sum"
+  if python3 -c 'import torch' 2>/dev/null; then
+    python3 examples/nanogpt/parity.py --exe "$ng" --weights examples/nanogpt/weights/shakespeare_char.safetensors \
+      >"$out/nanogpt-parity.log" 2>&1
+    tail -2 "$out/nanogpt-parity.log" | tee -a "$sum"
+  fi
+fi
+
+if has qwen; then
+  "$qw" --preset tiny --demo --dump-graph "$out/qwen-graph.json" 2>&1 | tail -3 | tee -a "$sum"
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny --batch 2 \
+    --gen 4 --mode both >"$out/racecheck-qwen.log" 2>&1
+  grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen.log" | sed 's/^/racecheck qwen: /' | tee -a "$sum"
+  if python3 -c 'import transformers' 2>/dev/null; then
+    python3 examples/qwen/parity.py --bin "$qw" --out "$out/qwen-parity.json" >"$out/qwen-parity.log" 2>&1
+    tail -6 "$out/qwen-parity.log" | tee -a "$sum"
+  fi
+  for p in qwen3-0.6b qwen3-4b; do
+    "$qw" --preset "$p" --bench --gen "$steps" --json "$out/qwen-bench-$p.json" >"$out/qwen-bench-$p.txt" 2>&1
+    grep -vE "^  seq|^\[" "$out/qwen-bench-$p.txt" | tail -40 >>"$sum"
+  done
+fi
+
+if has pdl; then
+  "$build/benchmarks/bench_launch_overhead" \
+    --benchmark_filter='^(gpu|launch/(eager|eager_pdl|graph|graph_pdl)/sync)/.*N:(10|100|400)/' \
+    --benchmark_min_time=0.05 --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/launch_pdl.json" --benchmark_out_format=json 2>&1 | grep -E "median" | tee -a "$sum"
+fi
+
+if has suite; then
+  NO_REPORT=1 BUILD_DIR="$build" RESULTS="$out/bench" CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" \
+    bash benchmarks/run.sh >"$out/bench-suite.log" 2>&1
+  say "benchmark suite: rc=$? (JSON in $out/bench; then on any machine: python3 benchmarks/report.py $out/bench/*.json)"
+fi
+
+if has research; then
+  rb="$build/research/qwen"
+  timeout 300 "$rb/qwen_research_gpu" 2>&1 | tail -3 | tee -a "$sum"
+  for p in qwen3-0.6b qwen3-4b; do
+    for k in mega ring; do
+      "$rb/qwen_research" --preset "$p" --bench --gen "$steps" --kernels "$k" --bench-batches 1 --mode graph 2>&1 |
+        grep -E "TPOT|^\| graph|floor" | sed "s/^/[research $p $k] /" | tee -a "$sum"
+    done
+  done
+fi

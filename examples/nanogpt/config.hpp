@@ -24,8 +24,8 @@ struct Config {
 static_assert(Config::n_embd == 32, "the kernels map one residual-stream element to one warp lane");
 static_assert(Config::n_head * Config::head_size == Config::n_embd);
 
-/// Everything that changes from one step to the next, at a fixed address (pinned host memory or
-/// replay::step_meta's device copy, see MetaPath). Kernels read it through a pointer, so a captured
+/// Everything that changes from one step to the next, at a fixed device address (replay::step_meta's
+/// device copy, see MetaPath). Kernels read it through a pointer, so a captured
 /// graph reads the current values on every replay instead of the values that were current at
 /// capture time. 16-byte aligned: the kernels read it as two 16-byte loads.
 struct alignas(16) StepMeta {
@@ -36,7 +36,8 @@ struct alignas(16) StepMeta {
                                 ///< prefill the prompt length. The sampled token gets index seq_len
   std::int32_t greedy = 0;      ///< 1: take the argmax instead of sampling
   float temperature = 1.0f;     ///< logits are divided by it before the softmax (> 0)
-  std::uint32_t reserved = 0;   ///< padding (keeps `seed` 8-byte aligned)
+  std::uint32_t halt = 0;       ///< device loop: 1 once the loop has stopped; the steps left in the
+                                ///< running body do nothing (always 0 outside the loop)
   std::uint64_t seed = 1337;    ///< RNG seed: the draw for the token at index i is uniform01(seed, i)
 };
 static_assert(std::is_trivially_copyable_v<StepMeta> && sizeof(StepMeta) == 32);

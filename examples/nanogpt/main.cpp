@@ -3,6 +3,7 @@
 //
 //   nanogpt                                   default prompt, 40 tokens, eager and graph, compared
 //   nanogpt -p "ROMEO:" -n 50 --mode graph    one mode
+//   nanogpt --tokens-per-launch 16            also the device loop: 16 decode steps per graph launch
 //   nanogpt --bench [--json]                  the seed's tables (named configurations + sweep)
 //   nanogpt --parity-dump out.json -p TEXT    logits for parity.py (PyTorch comparison)
 //
@@ -15,17 +16,22 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <replay/capture.hpp>
+#include <replay/inspect.hpp>
 #include <nlohmann/json.hpp>
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -59,7 +65,8 @@ struct Options {
   bool json_out = false;
   bool no_pdl = false;
   std::string meta = "device";
-  bool null_kernels = false;
+  int tokens_per_launch = 0;  // 0: no device-loop run
+  std::string stop;           // one character ends the generation (empty: none)
   std::string parity_dump;
   int prefill_len = 0;
 };
@@ -71,6 +78,9 @@ std::string show_text(std::string_view s) {
 }
 
 double stat_median(const std::vector<double>& v) { return summarize(v).median; }
+
+/// The token id of --stop, or -1.
+std::int32_t stop_token(const Options& o) { return o.stop.empty() ? -1 : nanogpt::encode(o.stop).front(); }
 
 // -------------------------------------------------------------------------------------------
 // Generation (default)
@@ -98,11 +108,20 @@ int run_generate(Model& model, const Options& o, const std::vector<std::int32_t>
   std::vector<Mode> modes;
   if (o.mode != "graph") modes.push_back(Mode::eager);
   if (o.mode != "eager") modes.push_back(Mode::graph);
+  const std::int32_t stop = stop_token(o);
   std::vector<nanogpt::GenerateResult> results;
-  for (Mode m : modes) results.push_back(nanogpt::generate(model, prompt, o.tokens, m, sampling));
+  for (Mode m : modes) results.push_back(nanogpt::generate(model, prompt, o.tokens, m, sampling, true, stop));
+  std::optional<nanogpt::GenerateResult> looped;
+  if (o.tokens_per_launch > 0) {
+    looped = nanogpt::generate_looped(model, prompt, o.tokens, o.tokens_per_launch, sampling, true, stop);
+    out["runs"]["loop"] = run_json(*looped, prompt);
+    out["runs"]["loop"]["tokens_per_launch"] = o.tokens_per_launch;
+    out["runs"]["loop"]["launches"] = looped->launch_us.size();
+  }
 
   for (std::size_t i = 0; i < modes.size(); ++i) out["runs"][std::string(to_string(modes[i]))] = run_json(results[i], prompt);
-  const bool identical = results.size() < 2 || results[0].tokens == results[1].tokens;
+  bool identical = results.size() < 2 || results[0].tokens == results[1].tokens;
+  if (looped) identical = identical && looped->tokens == results[0].tokens;
   out["identical"] = identical;
   if (!o.json_out) {
     for (std::size_t i = 0; i < modes.size(); ++i) {
@@ -117,9 +136,21 @@ int run_generate(Model& model, const Options& o, const std::vector<std::int32_t>
                  r.step_us.size(), stat_median(r.step_us),
                  static_cast<double>(r.tokens.size()) / (r.total_us * 1e-6));
     }
+    if (looped) {
+      const auto& r = *looped;
+      const std::size_t steps = r.tokens.size() - 1;
+      fmt::print("── device loop: up to {} decode steps per graph launch ──\n", o.tokens_per_launch);
+      fmt::print("{}{}\n", o.prompt, nanogpt::decode(r.tokens));
+      fmt::print("   prefill {:.1f} µs, capture {:.1f} µs, {} decode steps in {} launches, {:.2f} µs per token, {:.0f} "
+                 "tok/s end to end\n\n",
+                 r.prefill_us, r.capture_us, steps, r.launch_us.size(),
+                 steps > 0 ? r.decode_us / static_cast<double>(steps) : 0.0,
+                 static_cast<double>(r.tokens.size()) / (r.total_us * 1e-6));
+    }
+    if (results.size() + (looped ? 1 : 0) >= 2)
+      fmt::print("{} tokens identical: {}\n", looped ? "all runs'" : "eager and graph", identical ? "yes" : "NO");
     if (results.size() == 2) {
       const double e = stat_median(results[0].step_us), g = stat_median(results[1].step_us);
-      fmt::print("eager and graph tokens identical: {}\n", identical ? "yes" : "NO");
       if (g > 0) fmt::print("median decode step: eager {:.2f} µs, graph {:.2f} µs ({:.2f}x)\n", e, g, e / g);
     }
   }
@@ -228,7 +259,42 @@ int run_bench(Model& model, const Options& o, json& out) {
   };
   const double b2b[2] = {back_to_back(Mode::eager), back_to_back(Mode::graph)};
 
-  int mismatches = 0;
+  // Decode time per token: a generation from a one-token prompt to the context limit (62 decode
+  // steps), step by step (eager, graph) and with the device loop at K steps per launch. The paths
+  // take turns within each repeat, so every row sees the same machine state.
+  const int loop_ks[] = {1, 4, 16, 64};
+  constexpr int n_paths = 2 + static_cast<int>(std::size(loop_ks));
+  std::vector<double> per_token[n_paths];
+  int loop_mismatches = 0;
+  {
+    const auto p = nanogpt::encode(bench_text.substr(0, 1));
+    const int n = Config::block_size - 1;
+    const auto us_per_token = [](const nanogpt::GenerateResult& r) {
+      return r.decode_us / static_cast<double>(r.tokens.size() - 1);
+    };
+    for (int rep = 0; rep < repeats; ++rep) {
+      const nanogpt::Sampling s{1.0f, 2000 + static_cast<std::uint64_t>(rep), false};
+      const auto e = nanogpt::generate(model, p, n, Mode::eager, s, false);
+      const auto g = nanogpt::generate(model, p, n, Mode::graph, s, false);
+      per_token[0].push_back(us_per_token(e));
+      per_token[1].push_back(us_per_token(g));
+      loop_mismatches += e.tokens != g.tokens ? 1 : 0;
+      for (std::size_t k = 0; k < std::size(loop_ks); ++k) {
+        // Captured afresh for each K (min(K, 8) steps per run of the body; not in decode_us).
+        const auto l = nanogpt::generate_looped(model, p, n, loop_ks[k], s, true);
+        per_token[2 + k].push_back(us_per_token(l));
+        loop_mismatches += l.tokens != g.tokens ? 1 : 0;
+      }
+    }
+  }
+  replay_examples::stats token_stats[n_paths];
+  for (int i = 0; i < n_paths; ++i) token_stats[i] = summarize(per_token[i]);
+  const auto path_name = [&](int i) {
+    return i == 0 ? std::string("eager") : i == 1 ? std::string("graph, one step per launch")
+                                                  : fmt::format("device loop, K = {}", loop_ks[i - 2]);
+  };
+
+  int mismatches = loop_mismatches;
   for (const auto& c : cases) mismatches += c.mismatches;
   for (const auto& c : sweeps) mismatches += c.mismatches;
   const double step_eager = cases[1].step[0].median, step_graph = cases[1].step[1].median;
@@ -237,7 +303,15 @@ int run_bench(Model& model, const Options& o, json& out) {
                   {"named", json::array()},
                   {"sweep", json::array()},
                   {"token_mismatches", mismatches},
-                  {"back_to_back_step_us", {{"eager", b2b[0]}, {"graph", b2b[1]}}}};
+                  {"back_to_back_step_us", {{"eager", b2b[0]}, {"graph", b2b[1]}}},
+                  {"per_token_us", json::array()}};
+  for (int i = 0; i < n_paths; ++i)
+    out["bench"]["per_token_us"].push_back({{"path", path_name(i)},
+                                            {"tokens_per_launch", i < 2 ? 1 : loop_ks[i - 2]},
+                                            {"median", token_stats[i].median},
+                                            {"p10", token_stats[i].p10},
+                                            {"p90", token_stats[i].p90},
+                                            {"vs_graph", token_stats[i].median / token_stats[1].median}});
   for (const auto& c : cases) out["bench"]["named"].push_back(case_json(c));
   for (const auto& c : sweeps) out["bench"]["sweep"].push_back(case_json(c));
   if (o.json_out) return mismatches == 0 ? 0 : 3;
@@ -283,18 +357,22 @@ int run_bench(Model& model, const Options& o, json& out) {
   for (const auto& c : sweeps) add4(c);
   fmt::print("{}\n", t4.markdown());
 
-  if (o.meta == "mapped")
-    fmt::print("Back to back (2000 steps; with mapped metadata each step waits for the previous one): eager {:.2f} "
-               "µs/step, graph {:.2f} µs/step\n",
-               b2b[0], b2b[1]);
-  else
-    fmt::print("Back to back (no per-step sync, 2000 steps): eager {:.2f} µs/step (launch-bound), graph {:.2f} "
-               "µs/step (GPU time of one replay)\n",
-               b2b[0], b2b[1]);
-  fmt::print("medium_generation per step [PDL {}, meta {}{}]: eager {:.2f} µs, graph {:.2f} µs, {:.2f}x; "
-             "eager vs graph token mismatches: {}\n",
-             o.no_pdl ? "off" : "on", o.meta, o.null_kernels ? ", null kernels" : "", step_eager, step_graph,
-             step_eager / step_graph, mismatches);
+  fmt::print("### Decode time per token (prompt of 1 token, 62 decode steps to the context limit; medians of {} "
+             "generations per path)\n\n",
+             repeats);
+  replay_examples::table t5({"Path", "µs per token", "p10", "p90", "vs graph"});
+  for (int i = 0; i < n_paths; ++i)
+    t5.add_row({path_name(i), fmt::format("{:.2f}", token_stats[i].median), fmt::format("{:.2f}", token_stats[i].p10),
+                fmt::format("{:.2f}", token_stats[i].p90),
+                fmt::format("{:.2f}x", token_stats[i].median / token_stats[1].median)});
+  fmt::print("{}\n", t5.markdown());
+
+  fmt::print("Back to back (no per-step sync, 2000 steps): eager {:.2f} µs/step (launch-bound), graph {:.2f} "
+             "µs/step (GPU time of one replay)\n",
+             b2b[0], b2b[1]);
+  fmt::print("medium_generation per step [PDL {}, meta {}]: eager {:.2f} µs, graph {:.2f} µs, {:.2f}x; "
+             "token mismatches (eager vs graph vs device loop): {}\n",
+             o.no_pdl ? "off" : "on", o.meta, step_eager, step_graph, step_eager / step_graph, mismatches);
   return mismatches == 0 ? 0 : 3;
 }
 
@@ -394,15 +472,22 @@ int main(int argc, char** argv) {
   app.add_flag("--no-pdl", o.no_pdl, "launch without programmatic dependent launch");
   app.add_option("--meta", o.meta,
                  "how the step metadata reaches the kernels: push (a copy before each step), graph-copy (graph "
-                 "mode: a copy node inside the graph), mapped (the kernels read pinned host memory), device (the "
-                 "sampler writes the next step's metadata on the device; the host pushes only steps it did not predict)")
-      ->check(CLI::IsMember({"push", "graph-copy", "mapped", "device"}))
+                 "mode: a copy node inside the graph), device (the sampler writes the next step's metadata on the "
+                 "device; the host pushes only steps it did not predict)")
+      ->check(CLI::IsMember({"push", "graph-copy", "device"}))
       ->capture_default_str();
-  app.add_flag("--null-kernels", o.null_kernels,
-               "diagnostics: decode steps launch 10 kernels that do no model work (the floor of the step machinery)");
+  app.add_option("--tokens-per-launch", o.tokens_per_launch,
+                 "also decode with the device loop: up to K decode steps per graph launch (a WHILE node), 1 to 64")
+      ->check(CLI::Range(1, Config::block_size));
+  app.add_option("--stop", o.stop, "a character that ends the generation (after it is generated)")
+      ->check([](const std::string& v) { return v.size() == 1 ? std::string() : std::string("one character"); });
   app.add_option("--parity-dump", o.parity_dump, "write prefill + teacher-forced decode logits of the prompt as "
                                                  "JSON (for parity.py)");
   app.add_option("--prefill-len", o.prefill_len, "--parity-dump: prompt tokens prefilled (default half)");
+  std::string dump_graph;
+  app.add_option("--dump-graph", dump_graph,
+                 "write the decode step's graph (kernels, grids, edges incl. PDL) to PATH: DOT if it ends in .dot, "
+                 "else JSON");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -423,6 +508,14 @@ int main(int argc, char** argv) {
                          NANOGPT_DEFAULT_WEIGHTS);
     }
     const auto prompt = nanogpt::encode(o.prompt);
+    if (!o.stop.empty()) {  // --stop must be in the vocabulary too
+      try {
+        (void)nanogpt::encode(o.stop);
+      } catch (const std::exception&) {
+        throw std::invalid_argument(fmt::format("--stop {} is not in the model's 65-character vocabulary",
+                                                show_text(o.stop)));
+      }
+    }
     check_options(o, app, prompt.size());
     if (o.parity_dump.empty() && !o.bench) nanogpt::check_lengths(prompt.size(), o.tokens);
     if (!o.parity_dump.empty() && (prompt.empty() || prompt.size() > Config::block_size))
@@ -437,12 +530,17 @@ int main(int argc, char** argv) {
     const std::string device = nanogpt::require_device();
     const nanogpt::ModelOptions options{
         .pdl = !o.no_pdl,
-        .meta = o.meta == "push" ? nanogpt::MetaPath::push
+        .meta = o.meta == "push"         ? nanogpt::MetaPath::push
                 : o.meta == "graph-copy" ? nanogpt::MetaPath::graph_copy
-                : o.meta == "device"     ? nanogpt::MetaPath::device
-                                         : nanogpt::MetaPath::mapped,
-        .null_kernels = o.null_kernels};
+                                         : nanogpt::MetaPath::device};
     Model model(weights, options);
+    if (!dump_graph.empty()) {
+      const replay::graph step = replay::capture(replay::stream_ref(model.stream()), [&](replay::stream_ref cs) {
+        model.record_decode_step(cs.get());
+      });
+      replay::write_graph_summary(step, dump_graph);
+      if (!o.json_out) fmt::print("decode step graph ({} nodes) written to {}\n", step.node_count(), dump_graph);
+    }
 
     if (!o.parity_dump.empty()) return run_parity_dump(model, o, prompt);
 
@@ -451,14 +549,14 @@ int main(int argc, char** argv) {
                 {"parameters", nanogpt::parameter_count()},
                 {"pdl", !o.no_pdl},
                 {"meta", o.meta},
-                {"null_kernels", o.null_kernels},
+                {"tokens_per_launch", o.tokens_per_launch},
                 {"kernels_per_decode_step", Model::kernels_per_decode_step},
                 {"kernels_per_prefill", Model::kernels_per_prefill}};
     if (!o.json_out) {
       if (!note.empty()) fmt::print("{}\n", note);
-      fmt::print("nanogpt on {}: {} ({} parameters), {} {}kernels per decode step, PDL {}, step metadata: {}\n",
+      fmt::print("nanogpt on {}: {} ({} parameters), {} kernels per decode step, PDL {}, step metadata: {}\n",
                  device, weights.source, nanogpt::parameter_count(), Model::kernels_per_decode_step,
-                 o.null_kernels ? "EMPTY (--null-kernels) " : "", o.no_pdl ? "off" : "on", o.meta);
+                 o.no_pdl ? "off" : "on", o.meta);
       if (!o.bench)
         fmt::print("prompt {} ({} tokens), {} new tokens, seed {}, {}\n\n", show_text(o.prompt), prompt.size(), o.tokens,
                    o.seed, o.greedy ? std::string("greedy") : fmt::format("temperature {}", o.temperature));
@@ -478,7 +576,7 @@ int main(int argc, char** argv) {
     out["graph_nodes"] = model.graph_nodes();
     out["graph_kernel_nodes"] = model.graph_kernel_nodes();
     if (o.json_out) fmt::print("{}\n", out.dump(2));
-    if (rc == 3) fmt::print(stderr, "nanogpt: error: eager and graph produced different tokens\n");
+    if (rc == 3) fmt::print(stderr, "nanogpt: error: the decode paths produced different tokens\n");
     return rc;
   } catch (const nanogpt::no_device_error& e) {
     fmt::print(stderr, "nanogpt: error: {}. This program needs an NVIDIA GPU (built for sm_90 by default).\n",

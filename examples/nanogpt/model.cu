@@ -34,8 +34,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <source_location>
+#include <stdexcept>
 #include <utility>
 
 namespace nanogpt {
@@ -84,7 +87,6 @@ struct Buffers {
   std::int32_t* token_out;     // pinned host memory: the sampled token
   StepMeta* advance;           // MetaPath::device: the sampler writes the next step's metadata here
                                // (the StepMeta the kernels read); nullptr otherwise
-  unsigned* counter;           // ModelOptions::null_kernels: the counter the empty kernels increment
 };
 
 constexpr int kThreads = 128;  // 4 warps per block
@@ -94,63 +96,6 @@ static_assert(C::head_size == 8, "lanes 0-7 / 8-15 / 16-23 of a warp compute one
 static_assert(C::ffn_hidden == kThreads, "fc1 maps one hidden unit to one thread");
 static_assert(C::vocab_size <= kThreads && 3 * C::n_embd <= kThreads);
 constexpr int kCacheLayer = C::n_head * C::block_size * C::head_size;  // floats per layer per K/V
-constexpr int kStages = 2 + 2 * C::n_layer;                           // kernels per decode step
-
-#ifdef NANOGPT_STAMPS
-// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON only; see read_stamps()): thread 0 of
-// every decode kernel takes a ticket at entry (an atomic count of decode kernels: a kernel starts
-// only after the previous one of its step has triggered it, so the tickets follow the step's
-// order), reads clock64 at kStamps points (and %globaltimer at entry, when its wait returned and
-// after its output store) into registers, and at its end stores them under step ticket / kStages
-// (modulo kStampSteps) and stage ticket % kStages. The stamps cost time themselves (about 2 µs per
-// step on an H200, README item 11): NANOGPT_STAMP_AFTER's ordering branch makes the kernel wait for
-// the value it stamps.
-constexpr int kStamps = 8;  // 0 entry, 1 wait returned, 2 residual row normalised, 3-6 kernel-specific, 7 output stored
-constexpr int kStampSteps = 64;  // the last steps kept
-__device__ unsigned long long g_stamp_time[kStampSteps][kStages][kStamps];
-__device__ long long g_stamp_clock[kStampSteps][kStages][kStamps];
-__device__ unsigned g_stamp_ticket;
-struct Stamps {
-  unsigned ticket = 0;
-  unsigned long long t[kStamps] = {};
-  long long c[kStamps] = {};
-  /// Entry: the kernel's ticket (its atomic's result is only needed at the end) and stamp 0.
-  __device__ __forceinline__ void begin(bool decode) {
-    if (decode && threadIdx.x == 0 && blockIdx.x == 0) ticket = atomicAdd(&g_stamp_ticket, 1u);
-    time(0);
-  }
-  /// clock64 only (cheap; the stamps inside a kernel).
-  __device__ __forceinline__ void at(int i) { c[i] = clock64(); }
-  /// %globaltimer and clock64 (entry, wait returned, output stored: comparable across kernels).
-  __device__ __forceinline__ void time(int i) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t[i])::"memory");
-    c[i] = clock64();
-  }
-  /// clock64 once `dep` has been computed (the branch on it orders the read after it).
-  __device__ __forceinline__ void after(int i, float dep) {
-    if (__float_as_uint(dep) == 0xfffffffeu) asm volatile("trap;");
-    at(i);
-  }
-  __device__ __forceinline__ void flush(bool decode) const {
-    if (!decode || threadIdx.x != 0 || blockIdx.x != 0) return;
-    const unsigned step = ticket / kStages % kStampSteps, slot = ticket % kStages;
-    for (int i = 0; i < kStamps; ++i) g_stamp_time[step][slot][i] = t[i], g_stamp_clock[step][slot][i] = c[i];
-  }
-};
-#define NANOGPT_STAMPS_BEGIN(decode) \
-  Stamps stamps_;                    \
-  stamps_.begin(decode)
-#define NANOGPT_STAMP(i) stamps_.at(i)
-#define NANOGPT_STAMP_TIME(i) stamps_.time(i)
-#define NANOGPT_STAMP_AFTER(i, dep) stamps_.after(i, dep)
-#define NANOGPT_STAMPS_END(decode) stamps_.flush(decode)
-#else
-#define NANOGPT_STAMPS_BEGIN(decode) static_cast<void>(0)
-#define NANOGPT_STAMP(i) static_cast<void>(0)
-#define NANOGPT_STAMP_TIME(i) static_cast<void>(0)
-#define NANOGPT_STAMP_AFTER(i, dep) static_cast<void>(0)
-#define NANOGPT_STAMPS_END(decode) static_cast<void>(0)
-#endif
 
 /// Which rows a kernel works on: one token (decode, row 0) or the prompt (prefill, one block each).
 enum class Phase { decode, prefill };
@@ -159,25 +104,9 @@ enum class Phase { decode, prefill };
 // Device building blocks
 // ============================================================================================
 
-/// Programmatic dependent launch: let the next kernel in the stream start (it runs its prologue and
-/// then waits for this one). A no-op for kernels launched without the PDL attribute.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-/// Wait until the previous kernel in the stream has completed and its writes are visible. A no-op
-/// when there is none (plain launch, or the previous stream operation was not a kernel). Everything
-/// a kernel does before this call may only read what the previous kernel does not write.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-/// Reads the step metadata from L2 (or over the bus, for pinned host memory), never from L1: with
-/// MetaPath::device the previous step's sampler rewrote it in place (before it handed its token to
-/// the host, which launches this step only then), so a line left in this SM's L1 could be stale.
+/// Reads the step metadata from L2, never from L1: with MetaPath::device and in the device loop the
+/// previous step's sampler rewrote it in place (before this step was launched), so a line left in
+/// this SM's L1 could be stale.
 __device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
   const int4* p = reinterpret_cast<const int4*>(meta);
   const int4 lo = __ldcg(p), hi = __ldcg(p + 1);
@@ -188,9 +117,10 @@ __device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
   return m;
 }
 
-/// MetaPath::device: the last kernel of a step (or a prefill) writes the metadata of the step that
-/// follows it, the token it sampled at position seq_len, so the host need not write anything for an
-/// ordinary next step. Called after the kernel's wait (every earlier kernel of the step has read the
+/// MetaPath::device and the device loop: the last kernel of a step (or a prefill) writes the
+/// metadata of the step that follows it, the token it sampled at position seq_len, so the host need
+/// not write anything for an ordinary next step. (The sampler's random draw is a function of the
+/// seed and seq_len: advancing seq_len advances it.) Called after the kernel's wait (every earlier kernel of the step has read the
 /// metadata by then, and this one read it before the wait). No fence: the first kernel of every
 /// step and prefill is launched without PDL (Launcher::pdl_first), so it starts only after this kernel
 /// has completed, which makes these writes visible to it and to every later kernel of its step
@@ -410,26 +340,25 @@ __device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head,
 // ============================================================================================
 
 /// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row. Launched
-/// without PDL (Launcher::pdl_first): it starts after the previous step has completed.
+/// without PDL (Launcher::pdl_first), it starts after the previous step has completed and its wait
+/// returns at once. Launched with PDL (the steps after the first in a run of the device loop's
+/// body), it waits for the previous step's sampler, which wrote the StepMeta it reads, and lets the
+/// step's next kernel start only then: that kernel and the later ones read the StepMeta before
+/// their own waits.
 template <Phase P>
 __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
                                                    const StepMeta* meta, Buffers b) {
-  pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN(P == Phase::decode);
-  NANOGPT_STAMP_TIME(1);  // no wait
-  // The metadata (pushed, or written by the previous step's sampler) and the prompt were written
-  // before this kernel started; the embeddings are constants.
+  replay::pdl::wait();
+  replay::pdl::launch_dependents();
   const StepMeta m = load_meta(meta);
+  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
   const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
   const int token = !active ? 0 : P == Phase::decode ? m.token : b.prompt[row];
   const int pos = !active ? 0 : m.pos + row;
   const int i = lane_id();
   const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
-  NANOGPT_STAMP_AFTER(2, e);
   if (active) b.x[row * C::n_embd + i] = e;
-  NANOGPT_STAMP_TIME(7);
-  NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
 /// Decode: the whole attention sublayer for the step's token in one block:
@@ -438,10 +367,10 @@ __global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const f
 /// earlier steps, so already complete): after the wait only the residual row is read.
 __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
                                                                    const StepMeta* meta, Buffers b) {
-  pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN(true);
+  replay::pdl::launch_dependents();
   const int lane = lane_id(), h = warp_id();
-  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load (possibly over the bus) overlaps it
+  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load overlaps the prologue
+  const bool halted = __ldcg(&meta->halt) != 0;
   // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
   // lanes 24-31 repeat the value rows (their result is not used).
   const int part = min(lane >> 3, 2);
@@ -451,27 +380,21 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
   float* k_head = b.k_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
   float* v_head = b.v_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
   const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
+  if (halted) return;  // the device loop has stopped: nothing to do
 
-  pdl_wait();
-  NANOGPT_STAMP_TIME(1);
+  replay::pdl::wait();
   Row32 x = load_activations(b.x);
   const float x_lane = __ldcg(b.x + lane);
   const float rstd = center_rstd(x);
-  NANOGPT_STAMP_AFTER(2, rstd);
   const float out = norm_linear(w_qkv, x, rstd);
-  NANOGPT_STAMP_AFTER(3, out);
   if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
   const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
   const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
   const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
   const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
-  NANOGPT_STAMP_AFTER(4, v.b.w);
   constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
   const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
-  NANOGPT_STAMP_AFTER(5, head.b.w);
   project_residual(w_proj, head, x_lane, b.x);
-  NANOGPT_STAMP_TIME(7);
-  NANOGPT_STAMPS_END(true);
 }
 
 /// Prefill, part 1 of the attention sublayer: one block per prompt token writes its q and its k, v
@@ -479,13 +402,13 @@ __global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p
 /// the QKV projection.
 __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, int layer,
                                                                const StepMeta* meta, Buffers b) {
-  pdl_launch_dependents();
+  replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x);
   const NormLinearRow w_qkv =
       prefetch_norm_linear(p.qkv_w + min(t, 3 * C::n_embd - 1) * C::n_embd, p.ln1_w, p.ln1_b, 0.0f);
   const StepMeta m = load_meta(meta);
   const int row = static_cast<int>(blockIdx.x);
-  pdl_wait();
+  replay::pdl::wait();
   if (row >= m.seq_len) return;
   Row32 x = load_activations(b.x + row * C::n_embd);
   const float rstd = center_rstd(x);
@@ -504,11 +427,11 @@ __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, in
 /// projection + residual.
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams p, int layer,
                                                                      const StepMeta* meta, Buffers b) {
-  pdl_launch_dependents();
+  replay::pdl::launch_dependents();
   const ProjSlice w_proj = prefetch_proj(p);
   const StepMeta m = load_meta(meta);
   const int row = static_cast<int>(blockIdx.x);
-  pdl_wait();
+  replay::pdl::wait();
   if (row >= m.seq_len) return;
   const int h = warp_id();
   const int pos = m.pos + row;
@@ -527,40 +450,31 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
 /// 32w..32w+31 (read from shared memory) by its slice of fc2's row i, and warp 0 sums the 4 slices.
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
-  pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN(P == Phase::decode);
+  replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const NormLinearRow w1 = prefetch_norm_linear(p.fc1_w + t * C::n_embd, p.ln2_w, p.ln2_b, load_weight(p.fc1_b + t));
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
   const float b2 = load_weight(p.fc2_b + lane);
   const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = P == Phase::decode || row < __ldcg(&meta->seq_len);
-  pdl_wait();
-  NANOGPT_STAMP_TIME(1);
-  if (!active) return;  // prefill only
+  const bool active = P == Phase::decode ? __ldcg(&meta->halt) == 0 : row < __ldcg(&meta->seq_len);
+  replay::pdl::wait();
+  if (!active) return;  // a prefill row past the prompt, or the device loop has stopped
   float* x_row = b.x + row * C::n_embd;
   Row32 x = load_activations(x_row);
   const float x_lane = __ldcg(x_row + lane);
   const float rstd = center_rstd(x);
-  NANOGPT_STAMP_AFTER(2, rstd);
   __shared__ __align__(16) float hidden[C::ffn_hidden];
   __shared__ float share[kWarps][C::n_embd];
   const float hidden_t = fmaxf(norm_linear(w1, x, rstd), 0.0f);  // ReLU
   hidden[t] = hidden_t;
-  NANOGPT_STAMP_AFTER(3, hidden_t);
   __syncthreads();
-  NANOGPT_STAMP(4);
   Row32 h;
 #pragma unroll
   for (int i = 0; i < 8; ++i) h.v[i] = reinterpret_cast<const float4*>(hidden + warp * 32)[i];
   const float share_t = dot32(w2, h);
   share[warp][lane] = share_t;
-  NANOGPT_STAMP_AFTER(5, share_t);
   __syncthreads();
-  NANOGPT_STAMP(6);
   if (warp == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + b2);
-  NANOGPT_STAMP_TIME(7);
-  NANOGPT_STAMPS_END(P == Phase::decode);
 }
 
 /// Sampling by the Gumbel-max trick: the token is argmax_t (logit_t / T + g_t) with independent
@@ -600,14 +514,16 @@ __device__ __forceinline__ int argmax_block(float key) {
 }
 
 /// Last kernel of a step: logits = lm_head(LN_f(x[last row])), then sampling (Gumbel-max, above);
-/// the token goes straight to pinned host memory (no copy node), the logits to b.logits. Thread t
-/// computes logit t.
+/// the logits go to b.logits and the token straight to pinned host memory (no copy node), or, in
+/// the device loop (`loop` not null), to the loop's token buffer, which also decides whether the
+/// loop runs another step (a stop token, the step limit, or a full context). Thread t computes
+/// logit t.
 template <Phase P>
 __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* lnf_w, const float* lnf_b,
                                                                   const float* head_w, const float* head_b,
-                                                                  const StepMeta* meta, Buffers b) {
-  pdl_launch_dependents();
-  NANOGPT_STAMPS_BEGIN(P == Phase::decode);
+                                                                  const StepMeta* meta, Buffers b,
+                                                                  replay::token_loop_ref loop) {
+  replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
@@ -615,39 +531,22 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
   const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
   const float inv_t = greedy ? 1.0f : 1.0f / m.temperature;
   const float noise = greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
-  pdl_wait();
-  NANOGPT_STAMP_TIME(1);
+  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
+  replay::pdl::wait();
   const int row = P == Phase::decode ? 0 : m.seq_len - 1;
   Row32 x = load_activations(b.x + row * C::n_embd);
   const float rstd = center_rstd(x);
-  NANOGPT_STAMP_AFTER(2, rstd);
   const float logit = norm_linear(w, x, rstd);
-  NANOGPT_STAMP_AFTER(3, logit);
   if (t < C::vocab_size) b.logits[t] = logit;
   const int token = argmax_block(t < C::vocab_size ? fmaf(logit, inv_t, noise) : -INFINITY);
-  NANOGPT_STAMP(4);
   if (t == 0) {
-    NANOGPT_STAMP_AFTER(5, __int_as_float(token));
-    *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
     advance_meta(b.advance, m, token);
-  }
-  NANOGPT_STAMP_TIME(7);
-  NANOGPT_STAMPS_END(P == Phase::decode);
-}
-
-/// Diagnostics (ModelOptions::null_kernels): a decode-step kernel without model work. It reads the
-/// step metadata, waits for the previous kernel, increments one counter (so the kernels form a
-/// dependent chain, like the model's) and, as the last kernel of the step, hands the input token
-/// back as the "sampled" token.
-__global__ void __launch_bounds__(32) null_step_kernel(const StepMeta* meta, Buffers b, int last) {
-  pdl_launch_dependents();
-  const StepMeta m = load_meta(meta);
-  pdl_wait();
-  if (threadIdx.x == 0) {
-    *b.counter += 1;
-    if (last != 0) {
-      *static_cast<volatile std::int32_t*>(b.token_out) = m.token;
-      advance_meta(b.advance, m, m.token);
+    if (loop.header != nullptr) {
+      // The sequence fills the context once this token is in it. When the loop stops, the steps
+      // left in this run of the body see `halt` and do nothing.
+      if (!loop.append(token, m.seq_len + 1 >= C::block_size)) b.advance->halt = 1;
+    } else {
+      *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
     }
   }
 }
@@ -656,28 +555,14 @@ __global__ void __launch_bounds__(32) null_step_kernel(const StepMeta* meta, Buf
 // Launchers: each takes the stream, launches one kernel and checks the launch.
 // ============================================================================================
 
-/// Launches `kernel` with the PDL attribute when `pdl` is set (otherwise a plain launch).
-template <class... Params, class... Args>
-void launch(const char* name, bool pdl, void (*kernel)(Params...), int grid, int block, cudaStream_t s,
-            Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(static_cast<unsigned>(block));
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = s;
-  cfg.attrs = pdl ? attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  REPLAY_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "kernel {}", name);
-}
-
 struct Launcher {
   const ModelParams& p;
   const Buffers& b;
-  const StepMeta* meta;  // device-accessible address of the step metadata
+  const StepMeta* meta;  // device address of the step metadata
   ModelOptions opt;
+  /// The device loop (capture_loop_graph): the sampler appends its token there instead of handing
+  /// it to the host. Null otherwise.
+  replay::token_loop_ref loop{};
 
   /// The first kernel of a step or prefill is launched without PDL: it starts only once everything
   /// before it on the stream has completed, in particular the previous step's sampler, whose writes
@@ -685,50 +570,51 @@ struct Launcher {
   /// captured graph the first kernel has no programmatic edge either way.)
   static constexpr bool pdl_first = false;
 
+  /// One block of `threads` threads per row, on `s`, with PDL when `pdl`.
+  static replay::launch_config config(cudaStream_t s, int rows, int threads, bool pdl,
+                                      std::source_location where = std::source_location::current()) {
+    return {.grid = dim3(static_cast<unsigned>(rows)), .block = dim3(static_cast<unsigned>(threads)),
+            .stream = replay::stream_ref(s), .pdl = pdl, .where = where};
+  }
+
   void embed(cudaStream_t s, Phase phase, int rows) const {
     if (phase == Phase::decode)
-      launch("embed_kernel<decode>", pdl_first, embed_kernel<Phase::decode>, 1, 32, s, p.tok_emb, p.pos_emb, meta, b);
+      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
     else
-      launch("embed_kernel<prefill>", pdl_first, embed_kernel<Phase::prefill>, rows, 32, s, p.tok_emb, p.pos_emb, meta,
-             b);
+      replay::launch(embed_kernel<Phase::prefill>, config(s, rows, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
   }
   void attention_block(cudaStream_t s, int layer) const {
-    launch("attention_block_kernel", opt.pdl, attention_block_kernel, 1, kThreads, s, p.layer[layer], layer, meta, b);
+    replay::launch(attention_block_kernel, config(s, 1, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
   }
   void qkv_prefill(cudaStream_t s, int layer, int rows) const {
-    launch("qkv_prefill_kernel", opt.pdl, qkv_prefill_kernel, rows, kThreads, s, p.layer[layer], layer, meta, b);
+    replay::launch(qkv_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
   }
   void attention_prefill(cudaStream_t s, int layer, int rows) const {
-    launch("attention_prefill_kernel", opt.pdl, attention_prefill_kernel, rows, kThreads, s, p.layer[layer], layer,
-           meta, b);
+    replay::launch(attention_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
   }
   void ffn_block(cudaStream_t s, int layer, Phase phase, int rows) const {
     if (phase == Phase::decode)
-      launch("ffn_block_kernel<decode>", opt.pdl, ffn_block_kernel<Phase::decode>, 1, kThreads, s, p.layer[layer],
-             meta, b);
+      replay::launch(ffn_block_kernel<Phase::decode>, config(s, 1, kThreads, opt.pdl), p.layer[layer], meta, b);
     else
-      launch("ffn_block_kernel<prefill>", opt.pdl, ffn_block_kernel<Phase::prefill>, rows, kThreads, s,
-             p.layer[layer], meta, b);
+      replay::launch(ffn_block_kernel<Phase::prefill>, config(s, rows, kThreads, opt.pdl), p.layer[layer], meta, b);
   }
   void lm_head_sample(cudaStream_t s, Phase phase) const {
     if (phase == Phase::decode)
-      launch("lm_head_sample_kernel<decode>", opt.pdl, lm_head_sample_kernel<Phase::decode>, 1, kThreads, s, p.lnf_w,
-             p.lnf_b, p.head_w, p.head_b, meta, b);
+      replay::launch(lm_head_sample_kernel<Phase::decode>, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b, p.head_w,
+                     p.head_b, meta, b, loop);
     else
-      launch("lm_head_sample_kernel<prefill>", opt.pdl, lm_head_sample_kernel<Phase::prefill>, 1, kThreads, s,
-             p.lnf_w, p.lnf_b, p.head_w, p.head_b, meta, b);
-  }
-  void null_step(cudaStream_t s, bool is_first, bool last) const {
-    launch("null_step_kernel", is_first ? pdl_first : opt.pdl, null_step_kernel, 1, 32, s, meta, b, last ? 1 : 0);
+      replay::launch(lm_head_sample_kernel<Phase::prefill>, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b,
+                     p.head_w, p.head_b, meta, b, replay::token_loop_ref{});
   }
 
   /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
-  void decode_step(cudaStream_t s) const {
-    if (opt.null_kernels) {
-      for (int i = 0; i < kStages; ++i) null_step(s, i == 0, i == kStages - 1);
-      return;
-    }
-    embed(s, Phase::decode, 1);
+  /// `chained`: the step follows another step in the same graph (the device loop's body), so its
+  /// first kernel is launched with PDL too and waits for the previous step's sampler.
+  void decode_step(cudaStream_t s, bool chained = false) const {
+    if (chained)
+      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, opt.pdl), p.tok_emb, p.pos_emb, meta, b);
+    else
+      embed(s, Phase::decode, 1);
     for (int l = 0; l < C::n_layer; ++l) {
       attention_block(s, l);
       ffn_block(s, l, Phase::decode, 1);
@@ -776,16 +662,18 @@ struct Model::Impl {
   ModelParams params{};
   replay::static_arena arena;                        // activations + KV cache, frozen
   Buffers buffers{};
-  replay::step_meta<StepMeta> meta;                  // token, pos, seq_len, sampling (push, graph_copy)
-  replay::pinned_buffer<StepMeta> mapped_meta;       // the same, read by the kernels in place (mapped)
+  replay::step_meta<StepMeta> meta;                  // token, pos, seq_len, sampling
   replay::step_meta_array<std::int32_t> prompt;      // prompt token ids for prefill
   replay::pinned_buffer<std::int32_t> token_out;     // the sampler writes the token here
   replay::graph_exec exec;                           // the captured decode step
   std::size_t graph_nodes = 0;
   std::size_t graph_kernel_nodes = 0;
+  replay::token_loop loop;                           // the device loop's token buffer (up to a context)
+  replay::graph_exec loop_exec;                      // the captured device loop (capture_loop_graph)
+  int loop_steps_per_iteration = 0;
   bool step_in_flight = false;    // a step was enqueued and its token not waited for
-  // MetaPath::device: the metadata of the step in flight, and what the device holds after it
-  // (the sampler's prediction, known once its token has been read).
+  // MetaPath::device and the device loop: the metadata of the step in flight, and what the device
+  // holds after it (the sampler's prediction, known once its token has been read).
   StepMeta issued{};
   StepMeta predicted{};
   bool predicted_valid = false;
@@ -795,11 +683,11 @@ struct Model::Impl {
       : options(opt),
         params_mem(w.data.size()),
         arena(static_cast<std::size_t>(2 * C::block_size * C::n_embd + 2 * C::n_layer * kCacheLayer +
-                                       C::vocab_size) * sizeof(float) + sizeof(unsigned) +
+                                       C::vocab_size) * sizeof(float) +
               10 * replay::static_arena::default_alignment),
-        mapped_meta(1),
         prompt(C::block_size),
-        token_out(1) {
+        token_out(1),
+        loop(static_cast<std::size_t>(C::block_size)) {
     if (w.data.size() != packed_size())
       throw std::invalid_argument(fmt::format("nanogpt::Model: weights hold {} floats, expected {}",
                                               w.data.size(), packed_size()));
@@ -824,24 +712,18 @@ struct Model::Impl {
     buffers.k_cache = arena.allocate<float>(C::n_layer * kCacheLayer).data();
     buffers.v_cache = arena.allocate<float>(C::n_layer * kCacheLayer).data();
     buffers.logits = arena.allocate<float>(C::vocab_size).data();
-    buffers.counter = arena.allocate<unsigned>(1).data();
     arena.freeze();  // from here on no address changes: safe to capture
     buffers.prompt = prompt.device();
     buffers.token_out = token_out.data();  // pinned host memory is device-accessible under UVA
     buffers.advance = options.meta == MetaPath::device ? meta.device() : nullptr;
     REPLAY_CHECK(cudaMemsetAsync(arena.base(), 0, arena.capacity(), stream.get()));
     token_out[0] = -1;
-    mapped_meta[0] = StepMeta{};
     stream.synchronize();
   }
 
   ~Impl() { (void)cudaStreamSynchronize(stream.get()); }
 
-  /// The address the kernels read the step metadata from.
-  [[nodiscard]] const StepMeta* meta_address() const {
-    return options.meta == MetaPath::mapped ? mapped_meta.data() : meta.device();
-  }
-  [[nodiscard]] Launcher launcher() const { return {params, buffers, meta_address(), options}; }
+  [[nodiscard]] Launcher launcher() const { return {params, buffers, meta.device(), options}; }
 
   /// Waits for a step enqueued without reading its token (enqueue_decode_step).
   void settle() {
@@ -851,22 +733,18 @@ struct Model::Impl {
   }
 
   /// Makes `v` the metadata the next kernels read: staged and pushed (push, eager graph_copy, and
-  /// device unless the device already holds it), staged for the graph's own copy (graph_copy, graph
-  /// mode), or written in place (mapped).
-  void set_meta(const StepMeta& v, bool graph_copies_it) {
-    if (options.meta == MetaPath::device) {
-      // Pushed (below) unless the device already holds it: the previous step's sampler wrote it
-      // and its token was read, so the write is complete. A push is stream-ordered after that step.
-      const bool held = predicted_valid && std::memcmp(&predicted, &v, sizeof v) == 0;
-      predicted_valid = false;
-      issued = v;
-      if (held) return;
-    }
+  /// the device-advanced paths unless the device already holds it) or staged for the graph's own
+  /// copy (graph_copy, graph mode). `device_advances`: the work about to run writes the next
+  /// step's metadata itself (MetaPath::device, the device loop), so the host may skip the push.
+  void set_meta(const StepMeta& v, bool graph_copies_it, bool device_advances) {
+    // Pushed (below) unless the device already holds it: the previous step's sampler wrote it and
+    // its token was read, so the write is complete. A push is stream-ordered after that step.
+    const bool held = device_advances && predicted_valid && std::memcmp(&predicted, &v, sizeof v) == 0;
+    predicted_valid = false;
+    issued = v;
+    if (held) return;
     ++meta_writes;
-    if (options.meta == MetaPath::mapped) {
-      settle();  // the previous step's kernels may still read it
-      mapped_meta[0] = v;
-    } else if (graph_copies_it) {
+    if (graph_copies_it) {
       meta.graph_staging() = v;
     } else {
       meta.staging() = v;
@@ -881,15 +759,14 @@ struct Model::Impl {
     const replay::stream_ref s(stream.get());
     if (mode == Mode::graph && !exec)
       throw replay::usage_error("nanogpt::Model: Mode::graph before capture_decode_graph()");
-    if (options.meta == MetaPath::mapped) settle();
     token_out[0] = -1;
+    const bool advances = options.meta == MetaPath::device;
     if (mode == Mode::graph) {
       const bool in_graph = options.meta == MetaPath::graph_copy;
-      set_meta(v, in_graph);
+      set_meta(v, in_graph, advances);
       exec.launch(s);
-      if (in_graph) meta.launched(s);
     } else {
-      set_meta(v, false);
+      set_meta(v, false, advances);
       launcher().decode_step(stream.get());
     }
     step_in_flight = true;
@@ -923,6 +800,31 @@ struct Model::Impl {
       predicted_valid = true;
     }
     return t;
+  }
+
+  /// One launch of the device loop starting from `v`: at most `max_steps` decode steps, fewer when
+  /// the stop token comes or the context fills. Appends the tokens to `out`. The metadata is
+  /// pushed only when the device does not already hold it (the previous launch left it there).
+  LoopLaunch run_loop(const StepMeta& v, int max_steps, std::int32_t stop_token, std::vector<std::int32_t>& out) {
+    if (!loop_exec) throw replay::usage_error("nanogpt::Model: decode_loop() before capture_loop_graph()");
+    settle();
+    const replay::stream_ref s(stream.get());
+    if (predicted_valid) predicted.halt = 0;  // the loop graph clears `halt` before its first step
+    set_meta(v, false, /*device_advances=*/true);
+    loop.arm(s, max_steps, stop_token);
+    loop_exec.launch(s);
+    loop.fetch(s);  // one copy: the count, why the loop stopped, the tokens
+    const replay::loop_result r = loop.wait();
+    if (r.tokens.empty()) throw std::runtime_error("nanogpt: the device loop produced no token");
+    out.insert(out.end(), r.tokens.begin(), r.tokens.end());
+    const int n = static_cast<int>(r.tokens.size());
+    predicted = v;  // what the last step's sampler wrote
+    predicted.token = r.tokens.back();
+    predicted.pos = v.seq_len + n - 1;
+    predicted.seq_len = v.seq_len + n;
+    predicted.halt = 1;  // set by the step that stopped the loop
+    predicted_valid = true;
+    return {n, r.stop == replay::loop_stop::stop_token};
   }
 };
 
@@ -968,7 +870,7 @@ std::int32_t Model::prefill(std::span<const std::int32_t> prompt, const Sampling
   m.prompt.push(s, prompt.size());
   const int rows = static_cast<int>(prompt.size());
   m.token_out[0] = -1;
-  m.set_meta(make_meta(0, 0, rows, sampling), false);
+  m.set_meta(make_meta(0, 0, rows, sampling), false, false);
   m.launcher().prefill(s.get(), rows);
   return m.wait_token();
 }
@@ -996,19 +898,62 @@ void Model::synchronize() {
   impl_->step_in_flight = false;
 }
 
+void Model::record_decode_step(cudaStream_t s) {
+  Impl& m = *impl_;
+  if (m.options.meta == MetaPath::graph_copy) m.meta.capture_copy(replay::stream_ref(s));  // every replay starts by copying StepMeta
+  m.launcher().decode_step(s);
+}
+
 void Model::capture_decode_graph() {
   Impl& m = *impl_;
-  const Launcher l = m.launcher();
   const replay::stream_ref s(m.stream.get());
-  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
-    if (m.options.meta == MetaPath::graph_copy) m.meta.capture_copy(cs);  // every replay starts by copying StepMeta
-    l.decode_step(cs.get());
-  });
+  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) { record_decode_step(cs.get()); });
   m.graph_nodes = g.node_count();
   m.graph_kernel_nodes = g.kernel_node_count();
   m.exec = g.instantiate({.upload_stream = s.get()});
   s.synchronize();
 }
+
+void Model::capture_loop_graph(int steps_per_iteration) {
+  if (steps_per_iteration < 1 || steps_per_iteration > C::block_size)
+    throw std::invalid_argument(fmt::format("capture_loop_graph: {} steps per iteration (1 to {})",
+                                            steps_per_iteration, C::block_size));
+  Impl& m = *impl_;
+  Buffers b = m.buffers;
+  b.advance = m.meta.device();  // every step of the loop writes the next step's metadata
+  const replay::stream_ref s(m.stream.get());
+  replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
+    // Every launch starts with `halt` clear, whatever the previous launch left there.
+    REPLAY_CHECK(cudaMemsetAsync(&m.meta.device()->halt, 0, sizeof(StepMeta::halt), cs.get()));
+    m.loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
+      const Launcher l{m.params, b, m.meta.device(), m.options, ref};
+      // Several steps per run of the body, each chained to the previous one by PDL (its embedding
+      // kernel waits for the previous sampler): the handoff between two steps is then one kernel
+      // handoff, not the end of a run of the body and the start of the next.
+      for (int i = 0; i < steps_per_iteration; ++i) l.decode_step(body.get(), /*chained=*/i > 0);
+    });
+  });
+  m.loop_steps_per_iteration = steps_per_iteration;
+  m.loop_exec = g.instantiate({.upload_stream = s.get()});
+  s.synchronize();
+}
+
+LoopLaunch Model::decode_loop(std::int32_t token, int pos, const Sampling& sampling, int max_steps,
+                              std::int32_t stop_token, std::vector<std::int32_t>& out) {
+  if (token < 0 || token >= C::vocab_size)
+    throw std::invalid_argument(fmt::format("decode_loop: token id {} outside [0, {})", token, C::vocab_size));
+  if (pos < 0 || pos >= C::block_size)
+    throw std::invalid_argument(
+        fmt::format("decode_loop: position {} outside the context [0, {})", pos, C::block_size));
+  if (max_steps < 1 || pos + max_steps > C::block_size)
+    throw std::invalid_argument(fmt::format("decode_loop: {} steps from position {} pass the context of {}",
+                                            max_steps, pos, C::block_size));
+  check_sampling(sampling);
+  return impl_->run_loop(make_meta(token, pos, pos + 1, sampling), max_steps, stop_token, out);
+}
+
+bool Model::has_loop_graph() const noexcept { return static_cast<bool>(impl_->loop_exec); }
+int Model::loop_steps_per_iteration() const noexcept { return impl_->loop_steps_per_iteration; }
 
 bool Model::has_graph() const noexcept { return static_cast<bool>(impl_->exec); }
 std::size_t Model::graph_nodes() const noexcept { return impl_->graph_nodes; }
@@ -1040,21 +985,8 @@ void check_lengths(std::size_t prompt_len, long long n_tokens) {
         C::block_size - static_cast<long long>(prompt_len)));
 }
 
-#ifdef NANOGPT_STAMPS
-StepStamps read_stamps() {
-  StepStamps s;
-  static_assert(sizeof(s.time) == sizeof(g_stamp_time) && sizeof(s.clock) == sizeof(g_stamp_clock));
-  REPLAY_CHECK(cudaMemcpyFromSymbol(s.time, g_stamp_time, sizeof(s.time)));
-  REPLAY_CHECK(cudaMemcpyFromSymbol(s.clock, g_stamp_clock, sizeof(s.clock)));
-  unsigned ticket = 0;
-  REPLAY_CHECK(cudaMemcpyFromSymbol(&ticket, g_stamp_ticket, sizeof ticket));
-  s.ticket = ticket;
-  return s;
-}
-#endif
-
 GenerateResult generate(Model& model, std::span<const std::int32_t> prompt, int n_tokens, Mode mode,
-                        const Sampling& sampling, bool fresh_capture) {
+                        const Sampling& sampling, bool fresh_capture, std::int32_t stop_token) {
   check_lengths(prompt.size(), n_tokens);
   GenerateResult r;
   r.tokens.reserve(static_cast<std::size_t>(n_tokens));
@@ -1071,12 +1003,52 @@ GenerateResult generate(Model& model, std::span<const std::int32_t> prompt, int 
   }
   replay_examples::stopwatch decode;
   int pos = static_cast<int>(prompt.size());
-  for (int i = 1; i < n_tokens; ++i, ++pos) {
+  for (int i = 1; i < n_tokens && token != stop_token; ++i, ++pos) {
     sw.restart();
     token = model.decode_step(token, pos, sampling, mode);
     r.step_us.push_back(sw.elapsed_us());
     r.tokens.push_back(token);
   }
+  r.stopped = token == stop_token;
+  r.decode_us = decode.elapsed_us();
+  r.total_us = total.elapsed_us();
+  return r;
+}
+
+GenerateResult generate_looped(Model& model, std::span<const std::int32_t> prompt, int n_tokens,
+                               int tokens_per_launch, const Sampling& sampling, bool fresh_capture,
+                               std::int32_t stop_token) {
+  check_lengths(prompt.size(), n_tokens);
+  if (tokens_per_launch < 1 || tokens_per_launch > C::block_size)
+    throw std::invalid_argument(fmt::format("--tokens-per-launch must be 1 to {} (got {})", C::block_size,
+                                            tokens_per_launch));
+  GenerateResult r;
+  r.tokens.reserve(static_cast<std::size_t>(n_tokens));
+  replay_examples::stopwatch total;
+  replay_examples::stopwatch sw;
+  std::int32_t token = model.prefill(prompt, sampling);
+  r.prefill_us = sw.elapsed_us();
+  r.tokens.push_back(token);
+  if (fresh_capture || !model.has_loop_graph()) {
+    sw.restart();
+    model.capture_loop_graph(std::min(tokens_per_launch, Model::default_loop_steps_per_iteration));
+    r.capture_us = sw.elapsed_us();
+  }
+  replay_examples::stopwatch decode;
+  int pos = static_cast<int>(prompt.size());
+  int remaining = n_tokens - 1;
+  bool stopped = token == stop_token;
+  while (remaining > 0 && !stopped) {
+    sw.restart();
+    const LoopLaunch l =
+        model.decode_loop(token, pos, sampling, std::min(tokens_per_launch, remaining), stop_token, r.tokens);
+    r.launch_us.push_back(sw.elapsed_us());
+    pos += l.steps;
+    remaining -= l.steps;
+    token = r.tokens.back();
+    stopped = l.stopped;
+  }
+  r.stopped = stopped;
   r.decode_us = decode.elapsed_us();
   r.total_us = total.elapsed_us();
   return r;

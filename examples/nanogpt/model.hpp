@@ -2,21 +2,23 @@
 //
 // A Model owns everything a decode step touches, allocated once in its constructor: the weights,
 // the residual-stream and query buffers, the static KV cache (block_size slots per head), the
-// logits, the step metadata (StepMeta: a pinned host struct the kernels read in place, or
-// replay::step_meta<StepMeta> for the pushed and graph-copied variants, see MetaPath) and a pinned
-// slot the sampler writes the token into. Nothing is allocated after construction, so every address
-// a captured graph holds stays valid for the Model's lifetime.
+// logits, the step metadata (replay::step_meta<StepMeta>: token, position, sequence length,
+// sampling settings at a fixed device address), a pinned slot the sampler writes the token into,
+// and the device loop's token buffer (replay::token_loop). Nothing is allocated after
+// construction, so every address a captured graph holds stays valid for the Model's lifetime.
 //
-// One decode step = StepMeta (token, pos, seq_len, sampling) in place → run the step's kernels →
-// the sampler writes the token into pinned host memory, where the host picks it up (it polls that
-// memory, and synchronises the stream only if the token is unusually late). With the default
-// MetaPath::device the sampler has already written the next step's StepMeta on the device, so an
-// ordinary step is launch → token; the host pushes StepMeta only for a step it did not predict. The kernels are the same in
-// both modes; only how they are launched differs:
+// One decode step = the step metadata on the device → the step's 10 kernels → the sampler writes
+// the token into pinned host memory, where the host picks it up (it polls that memory, and
+// synchronises the stream only if the token is unusually late). The metadata reaches the device in
+// one of three ways (MetaPath): pushed by the host before the step, copied by a node at the start
+// of the graph, or written by the previous step's sampler on the device. The kernels are the same
+// in every mode; only how they are launched differs:
 //   Mode::eager  launches the kernels one by one from the host (kernels_per_decode_step launches);
-//   Mode::graph  replays the graph captured by capture_decode_graph() (one cudaGraphLaunch).
-// The graph does not depend on the position, token, prompt or sampling settings (all read from
-// StepMeta), so one capture serves every step of every generation.
+//   Mode::graph  replays the graph captured by capture_decode_graph() (one cudaGraphLaunch);
+//   decode_loop() replays the graph captured by capture_loop_graph(): a WHILE node whose body is
+//                the same step, run up to K times on the device per launch (replay/device_loop.hpp).
+// The graphs do not depend on the position, token, prompt, sampling settings or K (all read from
+// device memory), so one capture serves every step of every generation.
 //
 // Thread safety: none; use a Model from one thread. Move-only.
 #pragma once
@@ -40,7 +42,8 @@ namespace nanogpt {
 enum class Mode { eager, graph };
 constexpr std::string_view to_string(Mode m) noexcept { return m == Mode::eager ? "eager" : "graph"; }
 
-/// Where the kernels read the step metadata (StepMeta) from.
+/// How the step metadata (StepMeta) reaches the kernels, which always read it from the device copy
+/// of a replay::step_meta.
 enum class MetaPath {
   /// replay::step_meta::push before each step: an async host-to-device copy on the stream, then the
   /// kernels read the device copy. Steps may be enqueued back to back.
@@ -48,11 +51,6 @@ enum class MetaPath {
   /// Graph mode: the graph starts with a copy node (replay::step_meta::capture_copy), so a step is
   /// write staging → replay, with no separate copy call. Eager mode pushes.
   graph_copy,
-  /// The kernels read a pinned host struct directly (zero-copy, over the bus): a step is write the
-  /// struct → launch, with no copy at all (the default before MetaPath::device was added). The
-  /// struct is rewritten only after the previous step's token arrived (every kernel of a step has
-  /// read it by then), so steps cannot overlap: enqueue_decode_step() waits for the previous step.
-  mapped,
   /// The kernels read replay::step_meta's device copy, and the last kernel of every step (and of
   /// the prefill) writes the next step's metadata there itself: the token it sampled, at position
   /// seq_len, with the same sampling settings. The host keeps the same prediction; a step whose
@@ -63,10 +61,7 @@ enum class MetaPath {
   device,
 };
 constexpr std::string_view to_string(MetaPath m) noexcept {
-  return m == MetaPath::push         ? "push"
-         : m == MetaPath::graph_copy ? "graph-copy"
-         : m == MetaPath::mapped     ? "mapped"
-                                     : "device";
+  return m == MetaPath::push ? "push" : m == MetaPath::graph_copy ? "graph-copy" : "device";
 }
 
 /// Launch settings (the same for both modes, so eager and graph stay bit-identical).
@@ -77,10 +72,12 @@ struct ModelOptions {
   bool pdl = true;
   /// How the step metadata reaches the kernels.
   MetaPath meta = MetaPath::device;
-  /// Diagnostics: a decode step launches kernels_per_decode_step kernels that do no model work (each
-  /// waits for the previous one and increments a counter; the last hands the input token back as
-  /// the "sampled" token). Measures the floor of the step machinery; the text is meaningless.
-  bool null_kernels = false;
+};
+
+/// What one launch of the device loop did.
+struct LoopLaunch {
+  int steps = 0;         ///< decode steps run (= tokens appended)
+  bool stopped = false;  ///< the last token was the stop token
 };
 
 /// No usable CUDA device (the message says why).
@@ -127,7 +124,31 @@ class Model {
   /// Captures one decode step into a graph (nothing runs), instantiates and uploads it. Replaces a
   /// previous graph. Must not be called while a step is in flight (it never is: steps synchronise).
   void capture_decode_graph();
+  /// Issues the launches of one decode step on `s` (the copy node first with MetaPath::graph_copy)
+  /// and nothing else: what capture_decode_graph() captures. For diagnostics: capture it yourself
+  /// (replay::capture, replay::audit_step) to inspect or audit the step's graph.
+  void record_decode_step(cudaStream_t s);
   [[nodiscard]] bool has_graph() const noexcept;
+
+  /// Decode steps per run of the device loop's body unless told otherwise.
+  static constexpr int default_loop_steps_per_iteration = 8;
+
+  /// Captures the device loop (nothing runs): a WHILE node whose body is `steps_per_iteration`
+  /// decode steps chained by PDL; each step's sampler appends its token to the loop's buffer and
+  /// writes the next step's metadata, and once the loop stops the steps left in the body do
+  /// nothing. Any steps_per_iteration gives the same tokens; a launch costs whole runs of the body,
+  /// so a K below it pays for the steps that do nothing. Replaces a previous loop graph.
+  void capture_loop_graph(int steps_per_iteration = default_loop_steps_per_iteration);
+  [[nodiscard]] bool has_loop_graph() const noexcept;
+  /// The steps per run of the body of the captured loop graph (0 before capture).
+  [[nodiscard]] int loop_steps_per_iteration() const noexcept;
+  /// One launch of the device loop: feeds `token` at position `pos` and runs up to `max_steps`
+  /// decode steps on the device, stopping after the step that samples `stop_token` (-1: none) or
+  /// fills the context. Appends the tokens to `out` (one asynchronous copy, then one wait). The
+  /// same tokens as max_steps calls of decode_step(). Needs capture_loop_graph() first; requires
+  /// pos + max_steps <= block_size.
+  LoopLaunch decode_loop(std::int32_t token, int pos, const Sampling& sampling, int max_steps,
+                         std::int32_t stop_token, std::vector<std::int32_t>& out);
   /// Nodes / kernel nodes of the captured graph (0 before capture).
   [[nodiscard]] std::size_t graph_nodes() const noexcept;
   [[nodiscard]] std::size_t graph_kernel_nodes() const noexcept;
@@ -149,26 +170,6 @@ class Model {
   std::unique_ptr<Impl> impl_;
 };
 
-#ifdef NANOGPT_STAMPS
-/// Diagnostics (a build configured with -DNANOGPT_STAMPS=ON): the stamps of the decode kernels of
-/// the last `steps` decode steps: step i (0..steps-1) of them sits at [(first() + i) % steps], its
-/// kernels in step order. clock64 at 0 entry, 1 the wait returned (the embedding has no wait), 2 the
-/// residual row loaded and normalised, 3-6 points of each kernel's own (see model.cu), 7 its output
-/// stored; %globaltimer (ns) at 0, 1 and 7 only (0 elsewhere). `ticket` counts the decode kernels
-/// run since the program started. Synchronous; call between steps.
-struct StepStamps {
-  static constexpr int steps = 64;
-  unsigned long long time[steps][Model::kernels_per_decode_step][8];
-  long long clock[steps][Model::kernels_per_decode_step][8];
-  unsigned ticket = 0;
-  /// Where the oldest kept step sits.
-  [[nodiscard]] int first() const noexcept {
-    return static_cast<int>(ticket / Model::kernels_per_decode_step % steps);
-  }
-};
-StepStamps read_stamps();
-#endif
-
 /// Throws std::invalid_argument unless a prompt of `prompt_len` tokens followed by `n_tokens` new
 /// tokens fits the context (prompt_len >= 1, n_tokens >= 1, prompt_len + n_tokens <= block_size).
 void check_lengths(std::size_t prompt_len, long long n_tokens);
@@ -181,12 +182,22 @@ struct GenerateResult {
   double decode_us = 0;              ///< all decode steps
   double total_us = 0;               ///< prefill + capture + decode
   std::vector<double> step_us;       ///< each decode step: push → launch → token on the host
+  std::vector<double> launch_us;     ///< generate_looped: each launch of the loop (K steps) on the host
+  bool stopped = false;              ///< the generation ended on the stop token
 };
 
-/// Prefill (eager), then n_tokens - 1 decode steps in `mode`. In graph mode the step is captured
-/// after the prefill when `fresh_capture` is set or no graph exists yet (as the seed does: warm-up
-/// and capture count in the end-to-end time). Checks the lengths first (check_lengths).
+/// Prefill (eager), then n_tokens - 1 decode steps in `mode`, or fewer: the generation ends after
+/// the token `stop_token` (-1: none). In graph mode the step is captured after the prefill when
+/// `fresh_capture` is set or no graph exists yet (as the seed does: warm-up and capture count in the
+/// end-to-end time). Checks the lengths first (check_lengths).
 GenerateResult generate(Model& model, std::span<const std::int32_t> prompt, int n_tokens, Mode mode,
-                        const Sampling& sampling, bool fresh_capture = true);
+                        const Sampling& sampling, bool fresh_capture = true, std::int32_t stop_token = -1);
+
+/// The same generation with the device loop: prefill, then launches of up to `tokens_per_launch`
+/// (1..block_size) decode steps each. The same tokens as generate() for the same arguments. A fresh
+/// capture runs min(tokens_per_launch, 8) steps per run of the loop's body.
+GenerateResult generate_looped(Model& model, std::span<const std::int32_t> prompt, int n_tokens,
+                               int tokens_per_launch, const Sampling& sampling, bool fresh_capture = true,
+                               std::int32_t stop_token = -1);
 
 }  // namespace nanogpt

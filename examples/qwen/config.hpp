@@ -113,8 +113,8 @@ struct Config {
     if (num_attention_heads <= 0 || num_key_value_heads <= 0) fail("head counts must be positive");
     if (num_attention_heads % num_key_value_heads != 0)
       fail("num_attention_heads must be a multiple of num_key_value_heads");
-    if (group_size() != 1 && group_size() != 2 && group_size() != 4 && group_size() != 8)
-      fail("query heads per kv head must be 1, 2, 4 or 8 (got " + std::to_string(group_size()) + ")");
+    if (group_size() > 8)
+      fail("query heads per kv head must be at most 8 (got " + std::to_string(group_size()) + ")");
     if (head_dim != 64 && head_dim != 128) fail("head_dim must be 64 or 128 (got " + std::to_string(head_dim) + ")");
     if (max_position_embeddings <= 0) fail("max_position_embeddings must be positive");
     if (!(rms_norm_eps > 0)) fail("rms_norm_eps must be positive");
@@ -139,18 +139,24 @@ inline Config preset(const std::string& name) {
     c.hidden_size = 2048, c.intermediate_size = 6144, c.num_hidden_layers = 28, c.num_attention_heads = 16;
   } else if (name == "qwen3-4b") {
     c.hidden_size = 2560, c.intermediate_size = 9728, c.num_hidden_layers = 36, c.num_attention_heads = 32;
+  } else if (name == "qwen3-8b") {
+    c.hidden_size = 4096, c.intermediate_size = 12288, c.num_hidden_layers = 36, c.num_attention_heads = 32;
+    c.tie_word_embeddings = false;
+  } else if (name == "qwen3-14b") {  // 40 query heads over 8 kv heads: 5 per group
+    c.hidden_size = 5120, c.intermediate_size = 17408, c.num_hidden_layers = 40, c.num_attention_heads = 40;
+    c.tie_word_embeddings = false;
   } else if (name == "tiny") {
     c.vocab_size = 1024, c.hidden_size = 256, c.intermediate_size = 512, c.num_hidden_layers = 4;
     c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 64;
     c.max_position_embeddings = 2048, c.rope_theta = 10000.0;
   } else {
-    throw input_error("unknown preset '" + name + "' (known: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny)");
+    throw input_error("unknown preset '" + name + "' (known: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny)");
   }
   c.validate();
   return c;
 }
 
-inline std::vector<std::string> preset_names() { return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "tiny"}; }
+inline std::vector<std::string> preset_names() { return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "tiny"}; }
 
 /// Parses a Hugging Face config.json text. `source` names it in messages.
 inline Config config_from_json_text(const std::string& text, const std::string& source) {

@@ -6,6 +6,7 @@
 //   qwen --preset qwen3-4b --bench --gen 128
 //   qwen --preset tiny --demo                 # sequences join and finish at different steps
 //   qwen --model dir --prompt ... --teacher-force 8 --dump-logits logits.f32
+// Every flag is checked before any GPU work; bad input exits with code 2 and a message naming the flag.
 #include "model.hpp"
 
 #include <common/device.hpp>
@@ -16,6 +17,7 @@
 #include <replay/capture.hpp>
 #include <replay/error.hpp>
 #include <replay/event.hpp>
+#include <replay/inspect.hpp>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -23,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -37,21 +40,23 @@ namespace {
 using namespace qwen;
 using json = nlohmann::json;
 
-std::vector<int> parse_ids(const std::string& s) {
+/// Comma-separated non-negative integers; `flag` names the option in errors.
+std::vector<int> parse_ids(const std::string& s, const char* flag) {
+  if (s.empty()) throw input_error(fmt::format("{}: empty list", flag));
   std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    try {
-      std::size_t used = 0;
-      const long long v = std::stoll(item, &used);
-      if (used != item.size()) throw std::invalid_argument(item);
-      if (v < -1 || v > (1ll << 31) - 1) throw input_error(fmt::format("token id {} is out of range", item));
-      out.push_back(static_cast<int>(v));
-    } catch (const std::logic_error&) {
-      throw input_error(fmt::format("prompt: '{}' is not a token id", item));
-    }
+  std::size_t begin = 0;
+  for (;;) {
+    const std::size_t end = s.find(',', begin);
+    const std::string item = s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    const std::size_t index = out.size();
+    if (item.empty()) throw input_error(fmt::format("{}: empty entry at position {}", flag, index));
+    if (item.find_first_not_of("0123456789") != std::string::npos)
+      throw input_error(fmt::format("{}: '{}' at position {} is not a non-negative integer", flag, item, index));
+    if (item.size() > 10 || std::stoll(item) > (1ll << 31) - 1)
+      throw input_error(fmt::format("{}: {} at position {} is out of range", flag, item, index));
+    out.push_back(static_cast<int>(std::stoll(item)));
+    if (end == std::string::npos) break;
+    begin = end + 1;
   }
   return out;
 }
@@ -212,74 +217,57 @@ double uniform_padding_waste(const Engine& e, int max) {
 int main(int argc, char** argv) {
   CLI::App app{"Qwen3-style decoder with a paged KV cache: eager and CUDA-graph decode"};
   std::string preset = "qwen3-0.6b", model_dir, prompt_s, mode = "both", json_path, dump_logits;
-  int random_prompt_n = 0, gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1;
-  int bench_steps = 0;
+  long long random_prompt_n = 0, seed_arg = 1234;
+  int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 4;
+  int bench_steps = 0, long_prompt = 4096;
   double kv_mb = 1024;
-  bool bench = false, demo = false, no_fallback = false, quiet = false, no_pdl = false, mega_fma = false,
-       mega_rows = false;
+  bool bench = false, demo = false, no_fallback = false, quiet = false;
   std::string bench_batches_s = "1,8,32,64";
-  const char* kernels_env = std::getenv("QWEN_KERNELS");
-  std::string kernels_s =
-      kernels_env != nullptr && *kernels_env != '\0' ? kernels_env : decode_kernels_name(EngineOptions{}.kernels);
-  auto env_int = [](const char* name, int dflt) {
-    const char* v = std::getenv(name);
-    return v != nullptr && *v != '\0' ? std::atoi(v) : dflt;
-  };
-  int stream_tile_kb = env_int("QWEN_STREAM_TILE_KB", EngineOptions{}.stream_tile_bytes / 1024);
-  int stream_slots = env_int("QWEN_STREAM_SLOTS", EngineOptions{}.stream_max_slots);
-  int mega_attn_splits = EngineOptions{}.mega_attn_splits, mega_attn_chunk = EngineOptions{}.mega_attn_min_chunk;
-  int mega_attn_heads = EngineOptions{}.mega_attn_heads;
-  std::uint64_t seed = 1234;
-  app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, tiny (random weights)");
+  app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny "
+                                     "(random weights)");
   app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
   app.add_option("--prompt", prompt_s, "prompt token ids, comma-separated");
   app.add_option("--random-prompt", random_prompt_n, "random prompt of N tokens (when --prompt is not given)");
-  app.add_option("--gen", gen, "tokens to generate per sequence")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--batch", batch, "sequences decoded together")->check(CLI::Range(1, 1024));
+  app.add_option("--gen", gen, "tokens to generate per sequence (1..1048576)");
+  app.add_option("--batch", batch, "sequences decoded together (1..1024)");
   app.add_option("--mode", mode, "eager, graph or both (both: checks identical tokens)")
       ->check(CLI::IsMember({"eager", "graph", "both"}));
-  app.add_flag("--bench", bench, "benchmark: batch-1 TPOT vs D2D bandwidth, and batched throughput");
+  app.add_flag("--bench", bench, "benchmark: batch-1 TPOT against its floors, long context, batched throughput");
   app.add_option("--bench-steps", bench_steps, "decode steps timed per bench (default: --gen)");
   app.add_option("--bench-batches", bench_batches_s, "batch sizes of the throughput bench");
+  app.add_option("--long-prompt", long_prompt, "prompt tokens of the long-context bench (0: skip it)");
   app.add_flag("--demo", demo, "staggered batch demo: sequences join and finish at different steps");
   app.add_option("--json", json_path, "write results as JSON to this file");
-  app.add_option("--kv-mem-mb", kv_mb, "KV cache memory budget in MiB")->check(CLI::PositiveNumber);
+  app.add_option("--kv-mem-mb", kv_mb, "KV cache memory budget in MiB");
   app.add_option("--max-context", max_context, "tokens per sequence at most (prompt + generation)");
   app.add_option("--max-bucket", max_bucket, "largest graph bucket (batch rows)");
+  app.add_option("--gemv-max-rows", gemv_max_rows, "largest bucket on the fused GEMV: 0, 1, 2 or 4 (larger: cuBLAS)");
   app.add_flag("--no-eager-fallback", no_fallback, "fail instead of running batches above the largest bucket eagerly");
   app.add_option("--teacher-force", teacher_force,
                  "parity mode: prefill the first N prompt tokens, then feed the rest one per step");
   app.add_option("--dump-logits", dump_logits, "parity mode: write the logits of every step (float32, steps x vocab)");
-  app.add_option("--seed", seed, "seed of random weights and prompts");
-  app.add_flag("--no-pdl", no_pdl, "launch kernels without programmatic dependent launch (for comparison)");
-  app.add_option("--kernels", kernels_s,
-                 "decode kernels of buckets 1..4 (default: $QWEN_KERNELS, else the engine's default, mega): "
-                 "rowpipe (one GEMV kernel per matrix, software-pipelined loads), rowpipe8 (8 loads in flight), ring (one GEMV kernel per matrix, one block per SM, "
-                 "per-warp shared-memory rings filled before the previous kernel ends), legacy (one "
-                 "GEMV kernel per matrix, one warp per row), legacy8 (8 loads in flight), step (streaming "
-                 "kernel, one launch per step), layer, phase, mega (bucket 1: one persistent launch per step, "
-                 "activations as tagged words; other buckets: ring)");
-  app.add_option("--stream-tile-kb", stream_tile_kb,
-                 "streaming kernel: weight KiB per work item, about (default: $QWEN_STREAM_TILE_KB or 40)");
-  app.add_option("--stream-slots", stream_slots, "streaming kernel: ring slots at most, 2..8 (default: $QWEN_STREAM_SLOTS or 8)");
-  app.add_option("--mega-attn-splits", mega_attn_splits,
-                 "persistent kernel: attention chunks per context at most for items of one query head, 1..32 "
-                 "(default 0: blocks per query head); items of two query heads get twice as many");
-  app.add_option("--mega-attn-heads", mega_attn_heads,
-                 "persistent kernel: query heads per attention item, 1 or 2 (default 0: 1, or 2 where that splits a "
-                 "long context into more chunks)");
-  app.add_option("--mega-attn-chunk", mega_attn_chunk,
-                 "persistent kernel: positions per attention chunk at least, a multiple of 64 (default 128)");
-  app.add_flag("--mega-fma", mega_fma,
-               "persistent kernel: GEMV rows with the per-matrix kernels' FMAs (bit-identical to ring) instead of "
-               "tensor cores");
-  app.add_flag("--mega-rows", mega_rows,
-               "persistent kernel: tensor-core rows one (or two) at a time per warp instead of tiles of 4 rows");
+  app.add_option("--seed", seed_arg, "seed of random weights and prompts (non-negative)");
   app.add_flag("--quiet", quiet, "print less");
+  std::string dump_graph;
+  app.add_option("--dump-graph", dump_graph, "write bucket 1's decode-step graph to PATH: DOT if it ends in .dot, else JSON");
   CLI11_PARSE(app, argc, argv);
 
   try {
     // ---- everything below up to the Engine is host-only: bad input fails before GPU work --------
+    if (gen < 1 || gen > (1 << 20)) throw input_error(fmt::format("--gen {} must be in 1..1048576", gen));
+    if (batch < 1 || batch > 1024) throw input_error(fmt::format("--batch {} must be in 1..1024", batch));
+    if (max_context < 2 || max_context > (1 << 24))
+      throw input_error(fmt::format("--max-context {} must be in 2..16777216", max_context));
+    if (max_bucket < 1 || max_bucket > 1024) throw input_error(fmt::format("--max-bucket {} must be in 1..1024", max_bucket));
+    if (!std::isfinite(kv_mb) || kv_mb <= 0 || kv_mb > double(1 << 24))
+      throw input_error(fmt::format("--kv-mem-mb {} must be a positive number of MiB, at most 16777216", kv_mb));
+    if (seed_arg < 0) throw input_error(fmt::format("--seed {} must be non-negative", seed_arg));
+    if (random_prompt_n < 0 || random_prompt_n > max_context)
+      throw input_error(fmt::format("--random-prompt {} must be in 0..--max-context ({})", random_prompt_n, max_context));
+    if (app.count("--prompt") > 0 && prompt_s.empty()) throw input_error("--prompt: empty prompt");
+    if (bench_steps < 0 || bench_steps > (1 << 20)) throw input_error("--bench-steps must be in 0..1048576");
+    if (long_prompt < 0 || long_prompt > (1 << 24)) throw input_error("--long-prompt must be in 0..16777216");
+    const auto seed = static_cast<std::uint64_t>(seed_arg);
     Config cfg;
     std::optional<replay_examples::safetensors> st;
     if (!model_dir.empty()) {
@@ -293,29 +281,27 @@ int main(int argc, char** argv) {
     } else {
       cfg = qwen::preset(preset);
     }
+    const int steps = bench_steps > 0 ? bench_steps : gen;
+    if (bench && long_prompt > 0) max_context = std::max(max_context, long_prompt + steps + 2);
+    if (app.count("--max-context") == 0) max_context = std::min(max_context, cfg.max_position_embeddings);
+    if (max_context > cfg.max_position_embeddings)
+      throw input_error(fmt::format("--max-context {} exceeds the model's max_position_embeddings {}", max_context,
+                                    cfg.max_position_embeddings));
     EngineOptions opt;
     opt.max_bucket = max_bucket;
     opt.eager_fallback = !no_fallback;
     opt.kv_budget_bytes = static_cast<std::size_t>(kv_mb * 1048576.0);
-    opt.max_context = std::min(max_context, cfg.max_position_embeddings);
+    opt.max_context = max_context;
     opt.seed = seed;
-    opt.kernels = parse_decode_kernels(kernels_s);
-    opt.stream_tile_bytes = stream_tile_kb * 1024;
-    opt.stream_max_slots = stream_slots;
-    opt.mega_attn_splits = mega_attn_splits;
-    opt.mega_attn_min_chunk = mega_attn_chunk;
-    opt.mega_attn_heads = mega_attn_heads;
-    opt.mega_mma = !mega_fma;
-    opt.mega_tiles = !mega_rows;
-    opt.stream_trace = env_int("QWEN_STREAM_TRACE", 0) != 0;
+    opt.gemv_max_rows = gemv_max_rows;
 
     std::vector<int> prompt;
-    if (!prompt_s.empty()) prompt = parse_ids(prompt_s);
-    else prompt = random_prompt(random_prompt_n > 0 ? random_prompt_n : 8, cfg.vocab_size, seed);
+    if (!prompt_s.empty()) prompt = parse_ids(prompt_s, "--prompt");
+    else prompt = random_prompt(random_prompt_n > 0 ? static_cast<int>(random_prompt_n) : 8, cfg.vocab_size, seed);
 
     const bool parity = teacher_force >= 0;
     std::vector<int> bench_batches;
-    if (bench) bench_batches = parse_ids(bench_batches_s);
+    if (bench) bench_batches = parse_ids(bench_batches_s, "--bench-batches");
     std::vector<SequenceRequest> seqs;
     std::vector<int> join;
     if (parity) {
@@ -337,15 +323,23 @@ int main(int argc, char** argv) {
     }
     opt.max_batch = std::max(64, static_cast<int>(seqs.size()));
     for (int b : bench_batches) opt.max_batch = std::max(opt.max_batch, b);
+    if (bench && app.count("--kv-mem-mb") == 0) {
+      // The bench's largest request (a full batch of short prompts, or the long prompt) sizes the KV budget.
+      const std::int64_t per_seq = (std::int64_t(prompt.size()) + steps + 1 + opt.block_size - 1) / opt.block_size;
+      std::int64_t blocks = 0;
+      for (int b : bench_batches) blocks = std::max(blocks, b * per_seq);
+      blocks = std::max(blocks, (std::int64_t(long_prompt) + steps + 1 + opt.block_size - 1) / opt.block_size);
+      opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
+    }
     validate_request(cfg, opt, seqs);
     if (bench) {
-      const int steps = bench_steps > 0 ? bench_steps : gen;
       std::vector<SequenceRequest> bseqs;
       for (int b : bench_batches) {
-        if (b < 1) throw input_error("--bench-batches: batch sizes must be positive");
+        if (b < 1 || b > 1024) throw input_error("--bench-batches: batch sizes must be in 1..1024");
         bseqs.assign(b, SequenceRequest{prompt, steps + 1});
         validate_request(cfg, opt, bseqs);
       }
+      if (long_prompt > 0) validate_request(cfg, opt, {SequenceRequest{std::vector<int>(long_prompt, 0), steps + 1}});
     }
 
     // ---- GPU work ---------------------------------------------------------------------------
@@ -355,16 +349,18 @@ int main(int argc, char** argv) {
       return 3;
     }
     const std::string dev = replay_examples::device_name();
-    set_pdl(!no_pdl);
     replay_examples::stopwatch load_sw;
     Engine eng(cfg, opt, st ? &*st : nullptr);
     const double load_ms = load_sw.elapsed_ms();
+    if (!dump_graph.empty()) {
+      const replay::graph g = replay::capture(eng.stream(), [&](replay::stream_ref s) { eng.record_decode_step(1, s); });
+      replay::write_graph_summary(g, dump_graph);
+    }
     json out;
     out["device"] = dev;
     out["model"] = cfg.name;
     out["weights"] = model_dir.empty() ? "random" : model_dir;
     out["load_ms"] = load_ms;
-    out["pdl"] = pdl_enabled();
     out["kernels"] = eng.describe_kernels();
     if (!quiet)
       fmt::print("device: {}\nmodel: {} ({} layers, hidden {}, {} q / {} kv heads, vocab {}), weights {}, {:.1f} MiB; "
@@ -449,11 +445,14 @@ int main(int argc, char** argv) {
     }
 
     if (bench) {
-      const int steps = bench_steps > 0 ? bench_steps : gen;
+      if (std::find(modes.begin(), modes.end(), "graph") != modes.end()) {
+        replay_examples::stopwatch sw;
+        const std::size_t n = eng.prewarm_graphs();  // every bucket captured up front, largest first
+        fmt::print("prewarm: {} graphs captured in {:.1f} ms\n", n, sw.elapsed_ms());
+      }
       const double bw = d2d_bandwidth(eng.stream());
       const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
-      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps, PDL {}, kernels {}\n", cfg.name, dev,
-                 prompt.size(), steps, pdl_enabled() ? "on" : "off", decode_kernels_name(opt.kernels));
+      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps\n", cfg.name, dev, prompt.size(), steps);
       const double rbw = read_bandwidth(eng.stream());
       fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
                  mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
@@ -461,47 +460,63 @@ int main(int argc, char** argv) {
                  rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
       const double chain_ms = chain_floor_ms(cfg, eng.stream());
       if (chain_ms > 0)
-        fmt::print("kernel-per-matrix floor (a graph of {} streaming-read kernels with this step's matrix sizes, PDL {}): "
-                   "{:.3f} ms\n",
-                   5 * cfg.num_hidden_layers + 1, pdl_enabled() ? "on" : "off", chain_ms);
+        fmt::print("kernel-per-matrix chain floor (a graph of {} streaming-read kernels with this step's matrix sizes, "
+                   "PDL): {:.3f} ms\n",
+                   5 * cfg.num_hidden_layers + 1, chain_ms);
       else
-        fmt::print("kernel-per-matrix floor: skipped (no device memory for a copy of the weights)\n");
-      replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "eff. GB/s", "% of D2D"});
+        fmt::print("kernel-per-matrix chain floor: skipped (no device memory for a copy of the weights)\n");
+      replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "% of D2D",
+                                "x bytes floor", "x chain floor"});
+      double tpot_graph_ms = 0;
       for (const auto& m : modes) {
         std::vector<SequenceRequest> one{{prompt, steps + 1}};
         (void)run_schedule(eng, std::vector<SequenceRequest>{{prompt, 4}}, {0}, m == "graph", false);  // warm-up
         const auto r = run_schedule(eng, one, {0}, m == "graph", false);
         const auto s = replay_examples::summarize(r.step_us);
         const double tpot = s.median * 1e-6;
+        if (m == "graph") tpot_graph_ms = s.median / 1e3;
         t.add_row({m, fmt::format("{:.3f}", s.median / 1e3), fmt::format("{:.3f}", s.p10 / 1e3),
                    fmt::format("{:.3f}", s.p90 / 1e3), fmt::format("{:.1f}", 1.0 / tpot),
-                   fmt::format("{:.0f}", wbytes / tpot / 1e9), fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw)});
+                   fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw), fmt::format("{:.2f}", tpot / (wbytes / bw)),
+                   chain_ms > 0 ? fmt::format("{:.2f}", s.median / 1e3 / chain_ms) : std::string("-")});
         out["bench"]["batch1"][m] = {{"tpot_ms", s.median / 1e3}, {"p10_ms", s.p10 / 1e3}, {"p90_ms", s.p90 / 1e3},
                                      {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
                                      {"pct_d2d", 100.0 * wbytes / tpot / bw}};
       }
-      if (const std::string tr = ring_trace_summary(eng.stream()); !tr.empty()) fmt::print("{}", tr);
       out["bench"]["d2d_GBps"] = bw / 1e9;
       out["bench"]["read_GBps"] = rbw / 1e9;
+      out["bench"]["bytes_floor_ms"] = wbytes / bw * 1e3;
       if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;
-      if (const std::string tr = eng.stream_trace_summary(1); !tr.empty()) {
-        fmt::print("{}\n", tr);
-        out["bench"]["stream_trace"] = tr;
-      }
       out["bench"]["weight_bytes_per_step"] = wbytes;
       fmt::print("{}", t.markdown());
 
-      replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s"});
+      if (long_prompt > 0) {
+        // Batch 1 after a long prompt: each step also reads the sequence's K/V (every layer, K and V).
+        const std::vector<int> lp = random_prompt(long_prompt, cfg.vocab_size, seed + 99);
+        const auto r = run_schedule(eng, {SequenceRequest{lp, steps + 1}}, {0}, true, false);
+        const auto s = replay_examples::summarize(r.step_us);
+        const double kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.kv_dim() * sizeof(bf16);
+        const double kv_bytes = kv_per_token * (long_prompt + steps / 2.0);  // mean context over the steps
+        const double floor_ms = (wbytes + kv_bytes) / bw * 1e3;
+        fmt::print("\n## Long context: batch 1 (graph) after a {}-token prompt, {} steps\n"
+                   "TPOT median {:.3f} ms; bytes floor (weights + {:.1f} MiB of K/V per step) {:.3f} ms: {:.2f}x\n",
+                   long_prompt, steps, s.median / 1e3, mib(kv_bytes), floor_ms, s.median / 1e3 / floor_ms);
+        out["bench"]["long_context"] = {{"prompt", long_prompt}, {"tpot_ms", s.median / 1e3},
+                                        {"kv_bytes_per_step", kv_bytes}, {"bytes_floor_ms", floor_ms}};
+      }
+
+      replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT"});
       for (int b : bench_batches) {
         for (const auto& m : modes) {
           std::vector<SequenceRequest> bs;
           for (int i = 0; i < b; ++i) bs.push_back({random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, seed + 7 * i), steps + 1});
           std::vector<int> j(b, 0);
-          (void)run_schedule(eng, std::vector<SequenceRequest>(bs.begin(), bs.end()), j, m == "graph", false);
+          (void)run_schedule(eng, bs, j, m == "graph", false);
           const auto r = run_schedule(eng, bs, j, m == "graph", false);
           const auto s = replay_examples::summarize(r.step_us);
           tb.add_row({std::to_string(b), std::to_string(eng.bucket_for(b)), m, fmt::format("{:.3f}", s.median / 1e3),
-                      fmt::format("{:.0f}", b / (s.median * 1e-6))});
+                      fmt::format("{:.0f}", b / (s.median * 1e-6)),
+                      tpot_graph_ms > 0 ? fmt::format("{:.2f}", s.median / 1e3 / tpot_graph_ms) : std::string("-")});
           out["bench"]["batched"][m][std::to_string(b)] = {{"step_ms", s.median / 1e3}, {"tokens_per_s", b / (s.median * 1e-6)},
                                                           {"bucket", eng.bucket_for(b)}};
         }

@@ -1,17 +1,17 @@
 // examples/qwen/model.hpp: a Qwen3 decoder (Hugging Face Qwen3ForCausalLM) with a paged KV cache,
 // eager and CUDA-graph batched decode. The library target `replay_example_qwen`.
 //
-// Pipeline of one decode step (see README.md for each kernel):
-//   embed -> L x [ (norm+QKV GEMV) -> attention (q/k norm, RoPE, paged KV write + read)
-//                  -> (O GEMV + residual) -> (norm + gate/up GEMV + SiLU*up) -> (down GEMV + residual) ]
-//         -> (final norm + lm_head GEMV + argmax)
-// Buckets of up to kGemvMaxRows rows use the fused GEMV kernels; larger buckets use cuBLAS GEMMs
-// with separate norm / SiLU / argmax kernels (the same kernels prefill uses).
+// One decode step (model.cu, Engine::Impl::step) is a list of launches:
+//   embed -> L x [ QKV GEMV (input RMSNorm folded in) -> attention (q/k norm, RoPE, paged KV write
+//                  and read) -> O GEMV + residual -> gate/up GEMV (RMSNorm folded in) + SiLU*up
+//                  -> down GEMV + residual ] -> lm_head GEMV (final RMSNorm folded in) + argmax
+// Buckets of up to EngineOptions::gemv_max_rows rows run the fused GEMV; larger buckets and
+// prefill run cuBLAS GEMMs with separate RMSNorm / SiLU*up / argmax kernels.
 //
-// Static: weights, activations, logits, the KV pool, the RoPE table (all allocated once).
+// Static: weights, the KV pool, and every buffer (one replay::static_arena), allocated once.
 // Paged: K/V, addressed through per-sequence block tables.
 // Read through metadata at fixed addresses: each row's token, position and block-table slot, and
-// the block tables themselves; so one captured graph per bucket serves every step.
+// the block tables; so one captured graph per bucket serves every step.
 #pragma once
 
 #include "config.hpp"
@@ -36,18 +36,6 @@
 #include <vector>
 
 namespace qwen {
-
-/// Device-side weights; layer matrices fused as the kernels want them (QKV stacked, gate/up stacked).
-struct LayerWeights {
-  const bf16* wqkv;       ///< [q_dim + 2 kv_dim][hidden]: q_proj; k_proj; v_proj
-  const bf16* wo;         ///< [hidden][q_dim]
-  const bf16* wgu;        ///< [2 intermediate][hidden]: gate_proj; up_proj
-  const bf16* wdown;      ///< [hidden][intermediate]
-  const bf16* in_norm;    ///< [hidden] input_layernorm
-  const bf16* post_norm;  ///< [hidden] post_attention_layernorm
-  const bf16* q_norm;     ///< [head_dim]
-  const bf16* k_norm;     ///< [head_dim]
-};
 
 /// One row of a batched decode step: which sequence, its input token and that token's position.
 struct DecodeRow {
@@ -100,20 +88,23 @@ class Engine {
   /// `next`, and the rows' logits (rows x vocab) to `logits` when non-empty.
   void decode(std::span<const DecodeRow> rows, bool use_graph, std::span<int> next, std::span<float> logits = {});
 
-  /// Captures (and uploads) the graph of every bucket up to `max_rows` now, largest first.
-  void prewarm_graphs(int max_rows);
+  /// Captures (and uploads) the graph of every bucket now, largest first
+  /// (replay::step_runner::prewarm_buckets). Returns how many were captured.
+  std::size_t prewarm_graphs();
+
+  /// Diagnostics: issues the launches of one decode step for a bucket of `rows` rows on `s`, reading
+  /// the metadata the last decode() staged (what the graph pool captures). Used by the frozen-value
+  /// audit and by --dump-graph.
+  void record_decode_step(int rows, replay::stream_ref s);
 
   [[nodiscard]] GraphStats graph_stats() const;
   /// The full statistics of the bucketed graph pool (per key: hits, captures, capture time, memory).
   [[nodiscard]] replay::pool_stats pool_stats() const;
-  /// Which decode kernels buckets of 1..4 rows run (and the streaming kernel's geometry per bucket).
+  /// Which kernels each bucket runs (fused GEMV kernel per matrix, or cuBLAS; attention splits).
   [[nodiscard]] std::string describe_kernels() const;
-  /// With EngineOptions::stream_trace: the streaming kernel's phase completion gaps of the bucket's last
-  /// step, summarised per phase kind (empty otherwise).
-  [[nodiscard]] std::string stream_trace_summary(int bucket) const;
   [[nodiscard]] std::size_t weight_bytes() const;   ///< device bytes of all weights
   [[nodiscard]] std::size_t kv_pool_bytes() const;  ///< device bytes of the KV pool
-  [[nodiscard]] std::size_t buffer_bytes() const;   ///< activations, logits, metadata, workspace
+  [[nodiscard]] std::size_t buffer_bytes() const;   ///< the arena (activations, logits, tables, workspace) + metadata
 
   struct Impl;
 

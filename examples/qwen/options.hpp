@@ -6,6 +6,7 @@
 #include "config.hpp"
 #include "paged_kv.hpp"
 
+
 #include <fmt/format.h>
 
 #include <cstdint>
@@ -13,42 +14,6 @@
 #include <vector>
 
 namespace qwen {
-
-/// Kernels of the decode step for buckets of 1..4 rows (larger buckets always use cuBLAS GEMMs).
-enum class decode_kernels {
-  rowpipe,       ///< one fused GEMV kernel per matrix, one warp per row, next chunk loaded while computing (kernels.cu)
-  rowpipe_u8,    ///< the same with 8 loads in flight per lane
-  ring,          ///< one fused GEMV kernel per matrix, one block per SM, per-warp shared-memory rings (kernels.cu)
-  legacy,        ///< one fused GEMV kernel per matrix, one warp per row, 4 weight loads in flight (kernels.cu)
-  legacy_u8,     ///< the same with 8 loads in flight per row
-  stream_phase,  ///< streaming kernel (stream.cuh), one launch per phase (embed, QKV, attention, ...)
-  stream_layer,  ///< streaming kernel, one launch per layer (+ embed, + lm_head)
-  stream_step,   ///< streaming kernel, the whole step in one launch
-  mega,          ///< persistent kernel for bucket 1 (mega.cuh: per-warp weight streams, tagged activations); ring otherwise
-};
-
-inline const char* decode_kernels_name(decode_kernels k) {
-  switch (k) {
-    case decode_kernels::rowpipe: return "rowpipe";
-    case decode_kernels::rowpipe_u8: return "rowpipe8";
-    case decode_kernels::ring: return "ring";
-    case decode_kernels::legacy: return "legacy";
-    case decode_kernels::legacy_u8: return "legacy8";
-    case decode_kernels::stream_phase: return "phase";
-    case decode_kernels::stream_layer: return "layer";
-    case decode_kernels::stream_step: return "step";
-    case decode_kernels::mega: return "mega";
-  }
-  return "?";
-}
-
-/// Parses rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer, step or mega; throws input_error otherwise.
-inline decode_kernels parse_decode_kernels(const std::string& s) {
-  for (auto k : {decode_kernels::rowpipe, decode_kernels::rowpipe_u8, decode_kernels::ring, decode_kernels::legacy, decode_kernels::legacy_u8, decode_kernels::stream_phase,
-                 decode_kernels::stream_layer, decode_kernels::stream_step, decode_kernels::mega})
-    if (s == decode_kernels_name(k)) return k;
-  throw input_error("unknown decode kernels '" + s + "' (known: rowpipe, rowpipe8, ring, legacy, legacy8, phase, layer, step, mega)");
-}
 
 /// Run-time sizes of the engine (everything is allocated once from these).
 struct EngineOptions {
@@ -61,15 +26,8 @@ struct EngineOptions {
   int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
-  decode_kernels kernels = decode_kernels::mega;     ///< decode kernels of buckets 1..4 (mega: bucket 1 only; ring for 2..4)
-  int stream_tile_bytes = 40 << 10;          ///< streaming kernel: weight bytes per work item (about)
-  int stream_max_slots = 8;                  ///< streaming kernel: ring slots at most (2..8)
-  bool stream_trace = false;                 ///< streaming kernel: record phase completion times (diagnostics)
-  int mega_attn_splits = 0;                  ///< persistent kernel: attention chunks per context at most for items of one query head (0: as many as blocks per query head; 1..32); items of two get twice as many
-  int mega_attn_heads = 0;                   ///< persistent kernel: query heads per attention item (0: 1, or 2 where that splits a long context finer; 1; 2)
-  int mega_attn_min_chunk = 128;             ///< persistent kernel: positions per attention chunk at least (multiple of 64)
-  bool mega_mma = true;                      ///< persistent kernel: GEMV rows on the tensor cores (false: the per-matrix kernels' FMA order)
-  bool mega_tiles = true;                    ///< persistent kernel, tensor cores: rows in tiles of 4 rows (false: one row at a time per warp)
+  int gemv_max_rows = 4;                     ///< largest bucket on the fused GEMV (0, 1, 2, 4 = kGemvMaxRows); larger: cuBLAS
+  int attn_min_chunk = 128;                  ///< split-KV attention: positions per block at least (multiple of 64)
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
@@ -86,18 +44,17 @@ struct EngineOptions {
       throw input_error(fmt::format("max context {} exceeds the model's max_position_embeddings {}", max_context,
                                     c.max_position_embeddings));
     if (prefill_chunk < 1) throw input_error("prefill chunk must be positive");
-    if (stream_tile_bytes < 1024 || stream_tile_bytes > (160 << 10))
-      throw input_error("streaming tile must be in 1..160 KiB");
-    if (stream_max_slots < 2 || stream_max_slots > 8) throw input_error("streaming slots must be in 2..8");
-    if (mega_attn_splits < 0 || mega_attn_splits > 32) throw input_error("attention splits must be in 0..32");
-    if (mega_attn_heads < 0 || mega_attn_heads > 2) throw input_error("query heads per attention item must be 0, 1 or 2");
-    if (mega_attn_min_chunk < 64 || mega_attn_min_chunk % 64 != 0)
+    if (gemv_max_rows != 0 && gemv_max_rows != 1 && gemv_max_rows != 2 && gemv_max_rows != 4)
+      throw input_error("largest fused-GEMV bucket must be 0, 1, 2 or 4");
+    if (attn_min_chunk < 64 || attn_min_chunk % 64 != 0)
       throw input_error("attention's minimum chunk must be a positive multiple of 64");
     const std::int64_t nb = kv_blocks(c);
     if (nb < 2)
       throw input_error(fmt::format("KV memory budget of {} bytes holds {} blocks of {} bytes; at least 2 are needed",
                                     kv_budget_bytes, nb, kv_block_bytes(c, block_size)));
-    if (nb > (1ll << 30)) throw input_error("KV memory budget too large");
+    if (nb > (1ll << 30))
+      throw input_error(fmt::format("KV memory budget of {:.0f} MiB buys {} blocks; at most 2^30 are supported",
+                                    kv_budget_bytes / 1048576.0, nb));
   }
 };
 

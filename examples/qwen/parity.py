@@ -38,6 +38,10 @@ CONFIGS = {
     "untied_hd128_sharded": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                                  num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                                  tie_word_embeddings=False, rope_theta=1000000.0, shard="2MB"),
+    # 5 query heads per kv head (as Qwen3-14B: 40 over 8), head_dim 128, untied
+    "untied_hd128_g5": dict(vocab_size=4096, hidden_size=640, intermediate_size=1280, num_hidden_layers=3,
+                            num_attention_heads=10, num_key_value_heads=2, head_dim=128,
+                            tie_word_embeddings=False, rope_theta=1000000.0, shard=None),
 }
 
 

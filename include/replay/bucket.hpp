@@ -16,14 +16,13 @@
 // above the largest bucket (the caller then runs eagerly or refuses, see runner.hpp).
 //
 // Waste: a batch of n rows padded to bucket b computes b - n useless rows; `waste(n)` is the
-// fraction (b - n) / b. `average_waste(512)` averages it over n = 1..512 (uniform), which is the
-// figure the decode-optimization article quotes: about 25% for powers of two and about 3% for
-// every-8 buckets (the article rounds the latter to "about 4%"). `average_waste(weights)` does the
-// same for any distribution of batch sizes.
+// fraction (b - n) / b. `average_waste(512)` averages it over n = 1..512 (uniform);
+// `average_waste(weights)` does the same for any distribution of batch sizes.
 //
 // Guarantees: a policy is an immutable, sorted, duplicate-free, non-empty list of positive sizes;
-// construction with an invalid argument (max 0, step 0, empty list, a zero size) throws
-// usage_error. pad() is O(log buckets), allocation-free and noexcept for n >= 1. Thread safety:
+// construction with an invalid argument (max 0, step 0, empty list, a zero size, more than
+// `max_buckets` generated buckets) throws usage_error; average_waste() refuses NaN, infinite or
+// negative weights. pad() is O(log buckets), allocation-free and noexcept for n >= 1. Thread safety:
 // immutable, so safe to share.
 //
 // Example:
@@ -38,6 +37,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -60,7 +60,7 @@ enum class bucket_scheme : std::uint8_t {
 /// Padding waste of a bucket policy over a distribution of batch sizes.
 struct waste_summary {
   /// Mean over batch sizes n (weighted) of (bucket(n) - n) / bucket(n): the share of a padded
-  /// step's rows that are padding, averaged per step. The article's 25% / ~4% figures.
+  /// step's rows that are padding, averaged per step.
   double mean_waste = 0.0;
   /// Sum of padding rows over sum of computed rows (weighted): the share of all computed rows that
   /// are padding. Smaller than mean_waste when large batches dominate.
@@ -73,6 +73,9 @@ struct waste_summary {
 /// An immutable, sorted list of bucket sizes with padding arithmetic.
 class bucket_policy {
  public:
+  /// Most buckets a generated policy (every, vllm_default) may have: each bucket is a graph.
+  static constexpr std::size_t max_buckets = std::size_t{1} << 16;
+
   /// 1, 2, 4, ..., the largest power of two <= max, then max itself if it is not a power of two.
   [[nodiscard]] static bucket_policy powers_of_two(std::size_t max) {
     require_positive(max, "powers_of_two: max");
@@ -87,8 +90,9 @@ class bucket_policy {
   [[nodiscard]] static bucket_policy every(std::size_t step, std::size_t max) {
     require_positive(step, "every: step");
     require_positive(max, "every: max");
+    require_count(max / step, "every");
     std::vector<std::size_t> v;
-    for (std::size_t b = step; b <= max; b += step) v.push_back(b);
+    for (std::size_t b = step; b <= max && b >= step; b += step) v.push_back(b);  // b >= step: no wrap
     if (v.empty() || v.back() != max) v.push_back(max);
     return bucket_policy(bucket_scheme::every_n, std::move(v), step);
   }
@@ -110,10 +114,11 @@ class bucket_policy {
   /// 8). vllm_default(512) has 67 buckets.
   [[nodiscard]] static bucket_policy vllm_default(std::size_t max = 512) {
     require_positive(max, "vllm_default: max");
+    require_count(max / 8, "vllm_default");
     std::vector<std::size_t> v;
     for (std::size_t b : {1, 2, 4})
       if (b <= max) v.push_back(b);
-    for (std::size_t b = 8; b <= max; b += 8) v.push_back(b);
+    for (std::size_t b = 8; b <= max && b >= 8; b += 8) v.push_back(b);
     if (v.back() != max) v.push_back(max);
     return bucket_policy(bucket_scheme::vllm_default, std::move(v), 8);
   }
@@ -148,20 +153,23 @@ class bucket_policy {
     return static_cast<double>(b - n) / static_cast<double>(b);
   }
 
-  /// Waste averaged over batch sizes 1..max_n, each equally likely.
+  /// Waste averaged over batch sizes 1..max_n, each equally likely. O(buckets), whatever max_n.
   [[nodiscard]] waste_summary average_waste(std::size_t max_n) const {
     require_positive(max_n, "average_waste: max_n");
-    double mean = 0.0, pad_rows = 0.0, rows = 0.0, over = 0.0;
-    for (std::size_t n = 1; n <= max_n; ++n) {
-      const auto b = pad(n);
-      if (!b) {
-        over += 1.0;
-        continue;
-      }
-      mean += static_cast<double>(*b - n) / static_cast<double>(*b);
-      pad_rows += static_cast<double>(*b - n);
-      rows += static_cast<double>(*b);
+    double mean = 0.0, pad_rows = 0.0, rows = 0.0;
+    std::size_t prev = 0;  // batch sizes prev+1 .. min(b, max_n) pad to bucket b
+    for (const std::size_t b : sizes_) {
+      if (prev >= max_n) break;
+      const std::size_t hi = b < max_n ? b : max_n;
+      const double m = static_cast<double>(hi - prev);      // batch sizes in this bucket
+      const double lo_pad = static_cast<double>(b - hi);    // padding of the largest of them
+      const double sum_pad = m * lo_pad + m * (m - 1.0) / 2.0;  // (b-hi) + ... + (b-prev-1)
+      mean += sum_pad / static_cast<double>(b);
+      pad_rows += sum_pad;
+      rows += m * static_cast<double>(b);
+      prev = b;
     }
+    const double over = max_n > sizes_.back() ? static_cast<double>(max_n - sizes_.back()) : 0.0;
     return summarise(mean, pad_rows, rows, over, static_cast<double>(max_n));
   }
 
@@ -172,8 +180,9 @@ class bucket_policy {
     double mean = 0.0, pad_rows = 0.0, rows = 0.0, over = 0.0, total = 0.0;
     for (std::size_t n = 1; n < weights.size(); ++n) {
       const double w = weights[n];
-      if (w < 0.0) throw usage_error(fmt::format("replay::bucket_policy::average_waste: weight of {} "
-                                                 "is negative", n));
+      if (!std::isfinite(w) || w < 0.0)
+        throw usage_error(fmt::format("replay::bucket_policy::average_waste: weight of {} is {} (must "
+                                      "be finite and non-negative)", n, w));
       if (w == 0.0) continue;
       total += w;
       const auto b = pad(n);
@@ -187,6 +196,8 @@ class bucket_policy {
     }
     if (total <= 0.0)
       throw usage_error("replay::bucket_policy::average_waste: the weights are all zero");
+    if (!std::isfinite(total))
+      throw usage_error("replay::bucket_policy::average_waste: the weights' sum overflows");
     return summarise(mean, pad_rows, rows, over, total);
   }
 
@@ -226,6 +237,11 @@ class bucket_policy {
 
   static void require_positive(std::size_t v, const char* what) {
     if (v == 0) throw usage_error(fmt::format("replay::bucket_policy::{} must be at least 1", what));
+  }
+  static void require_count(std::size_t n, const char* what) {
+    if (n > max_buckets)
+      throw usage_error(fmt::format("replay::bucket_policy::{}: {} buckets exceed the limit of {}; "
+                                    "use a larger step or a smaller max", what, n, max_buckets));
   }
   static waste_summary summarise(double mean, double pad_rows, double rows, double over,
                                  double total) noexcept {

@@ -32,6 +32,7 @@
 #include <replay/stream.hpp>
 
 #include <algorithm>
+#include <source_location>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,8 +54,16 @@ class capture_scope {
     if (s.get() == nullptr)
       throw usage_error("replay::capture_scope: the legacy default stream (0) cannot be captured; "
                         "use a replay::stream");
-    REPLAY_CHECK(cudaStreamBeginCapture(s.get(), static_cast<cudaStreamCaptureMode>(mode)));
+    if (detail::capture_observer* o = detail::capture_observer_slot().load(std::memory_order_acquire))
+      o->capture_begins(s.get());
+    // Strongly exception-safe: the capture stack grows first (may throw bad_alloc with nothing
+    // begun), and a failed begin leaves the stack as it was.
     detail::capturing_streams().push_back(s.get());
+    const cudaError_t err = cudaStreamBeginCapture(s.get(), static_cast<cudaStreamCaptureMode>(mode));
+    if (err != cudaSuccess) {
+      pop();
+      detail::throw_cuda_error(err, "cudaStreamBeginCapture", {}, std::source_location::current());
+    }
     active_ = true;
   }
   capture_scope(const capture_scope&) = delete;
@@ -68,9 +77,11 @@ class capture_scope {
 
   /// Brings `side` into the capture: work issued to it after this call is captured, ordered after
   /// everything captured on the origin stream so far.
+  /// Strongly exception-safe: if it throws, `side` did not join the capture.
   void fork(stream_ref side) {
     require_active("fork");
     event e;
+    forks_.reserve(forks_.size() + 1);  // the push_back below cannot throw once `side` has joined
     e.record(stream_);
     e.wait_on(side);
     forks_.push_back({side.get(), false, std::move(e)});

@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstdint>
 #include <source_location>
 #include <stdexcept>
@@ -72,6 +73,22 @@ namespace detail {
 inline std::vector<cudaStream_t>& capturing_streams() noexcept {
   thread_local std::vector<cudaStream_t> streams;
   return streams;
+}
+
+/// Diagnostics told about captures (capture_watch.hpp installs one while it is alive): when a
+/// capture begins, and when a call fails inside one or it ends invalidated (the returned text is
+/// added to the error message).
+struct capture_observer {
+  virtual void capture_begins(cudaStream_t s) noexcept = 0;
+  virtual std::string capture_failed(cudaStream_t s) noexcept = 0;
+
+ protected:
+  ~capture_observer() = default;
+};
+/// The installed observer, or null (the default: a capture pays one atomic load).
+inline std::atomic<capture_observer*>& capture_observer_slot() noexcept {
+  static std::atomic<capture_observer*> slot{nullptr};
+  return slot;
 }
 
 /// The capture state of this thread, asked of CUDA for the innermost capture. Never throws.
@@ -180,7 +197,13 @@ namespace detail {
 [[noreturn]] inline void throw_cuda_error(cudaError_t code, std::string_view api, std::string context,
                                           std::source_location where) {
   (void)cudaGetLastError();  // the error is reported here; don't leave it for the next check
-  throw cuda_error(code, std::string(api), std::move(context), current_capture_state(), where);
+  const capture_state state = current_capture_state();
+  if (state != capture_state::none || is_capture_error(code))
+    if (capture_observer* o = capture_observer_slot().load(std::memory_order_acquire))
+      if (std::string note = o->capture_failed(capturing_streams().empty() ? nullptr : capturing_streams().back());
+          !note.empty() && context.find(note) == std::string::npos)
+        context += (context.empty() ? "" : "; ") + note;
+  throw cuda_error(code, std::string(api), std::move(context), state, where);
 }
 
 /// Destructor-safe check: logs nothing, never throws; returns whether the call succeeded.

@@ -13,6 +13,7 @@
 #include <replay/error.hpp>
 #include <replay/stream.hpp>
 
+#include <cstddef>
 #include <utility>
 
 namespace replay {
@@ -51,6 +52,8 @@ class event {
  public:
   /// Creates a synchronisation-only event (no timing).
   event() : event(event_flags::sync_only) {}
+  /// An empty event: no CUDA event is created (assign one later). Never throws.
+  explicit event(std::nullptr_t) noexcept {}
   explicit event(event_flags flags) {
     REPLAY_CHECK(cudaEventCreateWithFlags(&e_, static_cast<unsigned>(flags)));
   }

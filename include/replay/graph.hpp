@@ -32,8 +32,7 @@ struct instantiate_options {
   /// Run with per-node priorities instead of the launching stream's priority.
   bool use_node_priority = false;
   /// Make the exec launchable from device code (cannot combine with auto_free_on_launch). Only for
-  /// graphs that device code launches: a host launch of such an exec is slower (the NanoGPT
-  /// example's 10-kernel step on an H200: 18.2-18.9 instead of 15.3-15.9 us).
+  /// graphs that device code launches: a host launch of such an exec is slower.
   bool device_launch = false;
   /// When set, the exec is uploaded to the device on this stream as part of instantiation, so the
   /// first launch does not pay for it.

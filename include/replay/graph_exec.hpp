@@ -20,8 +20,10 @@
 
 #include <replay/error.hpp>
 #include <replay/graph.hpp>
+#include <replay/nvtx.hpp>
 #include <replay/stream.hpp>
 
+#include <source_location>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -77,6 +79,8 @@ class graph_exec {
  public:
   graph_exec() noexcept = default;
   explicit graph_exec(cudaGraphExec_t e) noexcept : e_(e) {}
+  /// Takes ownership of `e`, remembering the options it was instantiated with (update() keeps them).
+  graph_exec(cudaGraphExec_t e, const instantiate_options& options) noexcept : e_(e), options_(options) {}
 
   /// Instantiates `g` with the given options.
   static graph_exec instantiate(const graph& g, const instantiate_options& options = {}) {
@@ -103,12 +107,16 @@ class graph_exec {
                                *why != '\0' ? std::string(why) : std::string(),
                                std::source_location::current());
     }
-    return graph_exec(e);
+    return graph_exec(e, options);
   }
 
-  graph_exec(graph_exec&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  graph_exec(graph_exec&& o) noexcept
+      : e_(std::exchange(o.e_, nullptr)), options_(std::exchange(o.options_, {})) {}
   graph_exec& operator=(graph_exec&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.e_, nullptr));
+    if (this != &o) {
+      reset(std::exchange(o.e_, nullptr));
+      options_ = std::exchange(o.options_, {});
+    }
     return *this;
   }
   graph_exec(const graph_exec&) = delete;
@@ -128,12 +136,22 @@ class graph_exec {
   void launch(stream_ref s) const { REPLAY_CHECK(cudaGraphLaunch(checked("launch"), s.get())); }
 
   /// Uploads the exec's work descriptors to the device on `s`, so the first launch is not slower.
-  void upload(stream_ref s) const { REPLAY_CHECK(cudaGraphUpload(checked("upload"), s.get())); }
+  void upload(stream_ref s) const {
+    const nvtx_range range("upload");
+    REPLAY_CHECK(cudaGraphUpload(checked("upload"), s.get()));
+  }
+
+  /// The options the exec was instantiated with (default for an adopted handle).
+  [[nodiscard]] const instantiate_options& options() const noexcept { return options_; }
 
   /// Updates the exec from `g` (same topology, new parameters) with cudaGraphExecUpdate. When CUDA
   /// refuses, the result names the reason and the failing node, and the exec is re-instantiated
-  /// from `g` (with `options`). Either way, the next launch runs `g`.
-  update_result update(const graph& g, const instantiate_options& options = {}) {
+  /// from `g` with the options it was instantiated with (flags and upload; the upload stream given
+  /// then must still exist). Either way, the next launch runs `g`.
+  update_result update(const graph& g) { return update(g, options_); }
+  /// As update(g), re-instantiating with `options` when an in-place update is impossible.
+  update_result update(const graph& g, const instantiate_options& options) {
+    const nvtx_range range("update");
     checked("update");
     cudaGraphExecUpdateResultInfo info{};
     const cudaError_t err = cudaGraphExecUpdate(e_, g.checked(), &info);
@@ -145,7 +163,8 @@ class graph_exec {
       r.message = "updated in place";
       return r;
     }
-    if (err != cudaErrorGraphExecUpdateFailure) REPLAY_CHECK(err);
+    if (err != cudaErrorGraphExecUpdateFailure)
+      detail::throw_cuda_error(err, "cudaGraphExecUpdate", {}, std::source_location::current());
     (void)cudaGetLastError();  // the failure is reported in the result, not left for the next check
     r.message = fmt::format("cudaGraphExecUpdate refused: {}", to_string(info.result));
     if (info.errorNode != nullptr) {
@@ -168,6 +187,7 @@ class graph_exec {
     return e_;
   }
   cudaGraphExec_t e_ = nullptr;
+  instantiate_options options_{};
 };
 
 inline graph_exec graph::instantiate(const instantiate_options& options) const {

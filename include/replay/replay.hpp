@@ -9,7 +9,17 @@
 #include <replay/graph.hpp>
 #include <replay/graph_exec.hpp>
 #include <replay/capture.hpp>
+#include <replay/launch.hpp>
 #include <replay/step_meta.hpp>
 #include <replay/bucket.hpp>
+#include <replay/graph_key.hpp>
+#include <replay/pool_stats.hpp>
+#include <replay/cuda_graph_backend.hpp>
 #include <replay/graph_pool.hpp>
 #include <replay/runner.hpp>
+#include <replay/conditional.hpp>
+#include <replay/device_loop.hpp>
+#include <replay/nvtx.hpp>
+#include <replay/inspect.hpp>
+#include <replay/audit.hpp>
+// replay/capture_watch.hpp (CUPTI) is included on its own: it is opt-in diagnostics.

@@ -37,6 +37,7 @@
 #include <replay/bucket.hpp>
 #include <replay/error.hpp>
 #include <replay/graph_pool.hpp>
+#include <replay/nvtx.hpp>
 
 #include <fmt/format.h>
 
@@ -50,6 +51,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <unordered_set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -229,8 +231,12 @@ class basic_step_runner {
     }
     try {
       return pool_.run(key, s, step_, rows);
+    } catch (const usage_error&) {
+      throw;  // misuse is never a graph problem
     } catch (const std::exception& e) {
-      return on_failure(key, s, rows, e);
+      return on_failure(key, s, rows, e.what());
+    } catch (...) {
+      return on_failure(key, s, rows, "an exception not derived from std::exception");
     }
   }
 
@@ -251,8 +257,21 @@ class basic_step_runner {
 
   /// Runs the step eagerly for `key`, counted as `why` (an eager step_path).
   step_path eager(const Key& key, stream_type s, batch_rows rows, step_path why) {
-    step_(s, key);
-    pool_.note_eager(why, rows);
+    {
+      const nvtx_range range(why == step_path::eager_fallback   ? "eager fallback"
+                             : why == step_path::eager_oversize ? "eager oversize"
+                                                                : "eager disabled",
+                             key);
+      step_(s, key);
+    }
+    switch (why) {
+      case step_path::eager_disabled: ++eager_.eager_disabled; break;
+      case step_path::eager_fallback: ++eager_.eager_fallbacks; break;
+      case step_path::eager_oversize: ++eager_.eager_oversize; break;
+      default: throw usage_error("replay::step_runner::eager: the reason must be an eager step_path");
+    }
+    eager_.real_rows += rows.real;
+    eager_.padded_rows += rows.bucket != 0 ? rows.bucket : rows.real;
     return why;
   }
 
@@ -276,7 +295,21 @@ class basic_step_runner {
   [[nodiscard]] const bucket_policy& buckets() const noexcept { return buckets_; }
   [[nodiscard]] pool_type& pool() noexcept { return pool_; }
   [[nodiscard]] const pool_type& pool() const noexcept { return pool_; }
-  [[nodiscard]] pool_stats stats() const { return pool_.stats(); }
+  /// The pool's statistics with this runner's eager runs added (eager paths and their rows).
+  [[nodiscard]] pool_stats stats() const {
+    pool_stats st = pool_.stats();
+    st.eager_disabled += eager_.eager_disabled;
+    st.eager_fallbacks += eager_.eager_fallbacks;
+    st.eager_oversize += eager_.eager_oversize;
+    st.real_rows += eager_.real_rows;
+    st.padded_rows += eager_.padded_rows;
+    return st;
+  }
+  /// Zeroes the pool's and the runner's counters; graphs stay cached.
+  void reset_stats() noexcept {
+    pool_.reset_stats();
+    eager_ = {};
+  }
   [[nodiscard]] const step_function& step() const noexcept { return step_; }
 
   /// Captures the graphs of every bucket up front (largest first), keys from `make_key(bucket)`.
@@ -295,20 +328,28 @@ class basic_step_runner {
     std::size_t captured = 0;
     // One at a time so that a failing key can be disabled and the others still captured.
     std::vector<const Key*> order;
-    for (const Key& k : keys) order.push_back(&k);
+    std::unordered_set<Key, Hash> seen;
+    for (const Key& k : keys)
+      if (!pool_.contains(k) && seen.insert(k).second) order.push_back(&k);
     std::stable_sort(order.begin(), order.end(),
                      [](const Key* a, const Key* b) { return key_size{}(*a) > key_size{}(*b); });
-    if (pool_.capacity() != pool_options::unlimited && order.size() > pool_.capacity())
-      throw usage_error(fmt::format("replay::step_runner::prewarm: {} keys exceed the pool capacity "
-                                    "of {}", order.size(), pool_.capacity()));
+    if (pool_.capacity() != pool_options::unlimited && pool_.size() + order.size() > pool_.capacity())
+      throw usage_error(fmt::format("replay::step_runner::prewarm: {} new keys and {} resident exceed "
+                                    "the pool capacity of {}", order.size(), pool_.size(),
+                                    pool_.capacity()));
     for (const Key* k : order) {
       if (off_ != off_reason::none) break;
       if (key_disabled(*k)) continue;
       try {
         if (pool_.ensure(*k, s, step_)) ++captured;
+      } catch (const usage_error&) {
+        throw;
       } catch (const std::exception& e) {
         if (pool_.last_failure() == pool_phase::warmup || pool_.last_failure() == pool_phase::none) throw;
-        report_failure(*k, e);
+        report_failure(*k, e.what());
+      } catch (...) {
+        if (pool_.last_failure() == pool_phase::warmup || pool_.last_failure() == pool_phase::none) throw;
+        report_failure(*k, "an exception not derived from std::exception");
       }
     }
     return captured;
@@ -318,17 +359,17 @@ class basic_step_runner {
   enum class off_reason : std::uint8_t { none, kill_switch, option, failure };
   static constexpr std::uint8_t disabled_bit = 0x80;
 
-  step_path on_failure(const Key& key, stream_type s, batch_rows rows, const std::exception& e) {
+  step_path on_failure(const Key& key, stream_type s, batch_rows rows, std::string_view what) {
     const pool_phase phase = pool_.last_failure();
     // The step failed when run eagerly (warm-up), or the failure came from outside the graph
     // machinery: falling back would run the same failing code again. Propagate.
     if (phase == pool_phase::warmup || phase == pool_phase::none) throw;
-    report_failure(key, e);
+    report_failure(key, what);
     return eager(key, s, rows, step_path::eager_fallback);
   }
 
   // Warn (once per runner or key, per phase) and turn graphs off for the runner or the key.
-  void report_failure(const Key& key, const std::exception& e) {
+  void report_failure(const Key& key, std::string_view what) {
     pool_.backend().clear_error();
     const pool_phase phase = pool_.last_failure();
     const auto bit = static_cast<std::uint8_t>(1u << static_cast<unsigned>(phase));
@@ -347,7 +388,7 @@ class basic_step_runner {
     if (first) {
       const std::string msg = fmt::format(
           "CUDA graph {} failed for key {}: {}; {} now run eagerly (the step was not lost)",
-          to_string(phase), describe_key(key), e.what(),
+          to_string(phase), describe_key(key), what,
           fallback_ == fallback_scope::runner ? "all steps of this runner" : "steps with this key");
       if (warn_) warn_(msg); else stderr_warning_sink(msg);
     }
@@ -362,6 +403,8 @@ class basic_step_runner {
   off_reason off_ = off_reason::none;
   std::uint8_t warned_ = 0;                          // phases already warned (runner scope)
   std::unordered_map<Key, std::uint8_t, Hash> key_state_;  // per key: warned phases | disabled
+  // Eager runs are counted here, not in the pool: the pool only sees graph work.
+  pool_counters eager_{};
 };
 
 /// The CUDA step runner.

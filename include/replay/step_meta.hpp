@@ -15,12 +15,22 @@
 //    guard). Writing new values can therefore never corrupt a copy that is still reading.
 // 2. In-graph copy: call `capture_copy(stream)` inside the capture, so the graph itself copies the
 //    dedicated graph-staging slot to the device at the start of each replay; per step, write
-//    `graph_staging()` and call `launched(stream)` after each launch (it records the guard event
-//    that the next graph_staging() waits on). No host-side copy call per step.
+//    `graph_staging()` and launch. No host-side copy call per step. capture_copy() also captures an
+//    event-record node right after the copy, so every replay marks when it has read the staging
+//    slot and graph_staging() waits for that mark: writing the next step's values can never race
+//    with a replay that is still copying, whoever launches the graph (a pool, a runner, your own
+//    loop). The cost: one event-record node per graph, and one cudaEventSynchronize per
+//    graph_staging() call (immediate when the copy is done).
+//
+// push() refuses to run while `s` is capturing (usage_error): a captured push would bake in
+// whichever staging slot was current, and later eager pushes alternate slots, so replays would copy
+// stale values. Use capture_copy() inside a capture.
 //
 // Guarantees: the device address (`device()`) never changes for the object's lifetime and may be
-// baked into graphs. Move-only; a moved-from object throws usage_error on every use. Not
-// thread-safe: one thread stages and pushes. Destructors never throw.
+// baked into graphs. The device copy is zero before the constructor returns (ordered before work on
+// any stream). Destruction and move-assignment wait for copies still reading the staging memory.
+// Move-only; a moved-from object throws usage_error on every use. Not thread-safe: one thread
+// stages and pushes. Destructors never throw.
 //
 // Example:
 //   struct meta_t { int token; int pos; };
@@ -58,16 +68,33 @@ class step_meta_array {
 
   step_meta_array() noexcept = default;
   /// Allocates `count` elements on the device and `slots + 1` staging copies in pinned memory
-  /// (the extra one is the in-graph copy's source). Device memory is zero-initialised.
+  /// (the extra one is the in-graph copy's source). The device copy is zero when this returns.
   explicit step_meta_array(std::size_t count)
       : count_(count), device_(count), staging_((slots + 1) * count), state_(std::make_unique<state>()) {
     if (count == 0) throw usage_error("replay::step_meta_array: size must be at least 1");
-    REPLAY_CHECK(cudaMemset(device_.data(), 0, device_.size_bytes()));
+    // Zeroed on the legacy stream and waited for: a kernel on a non-blocking stream that reads the
+    // metadata right after construction must not see the allocation's old contents.
+    REPLAY_CHECK(cudaMemsetAsync(device_.data(), 0, device_.size_bytes(), cudaStreamLegacy));
+    REPLAY_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     for (std::size_t i = 0; i < staging_.size(); ++i) staging_[i] = T{};
   }
 
   step_meta_array(step_meta_array&&) noexcept = default;
-  step_meta_array& operator=(step_meta_array&&) noexcept = default;
+  /// Waits for copies that still read this object's staging, then takes `o`'s state.
+  step_meta_array& operator=(step_meta_array&& o) noexcept {
+    if (this != &o) {
+      drain();
+      count_ = std::exchange(o.count_, 0);
+      device_ = std::move(o.device_);
+      staging_ = std::move(o.staging_);
+      state_ = std::move(o.state_);
+    }
+    return *this;
+  }
+  step_meta_array(const step_meta_array&) = delete;
+  step_meta_array& operator=(const step_meta_array&) = delete;
+  /// Waits for copies that still read the staging memory, then frees it. Never throws.
+  ~step_meta_array() { drain(); }
 
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
   /// The fixed device address kernels read from. Valid until destruction.
@@ -82,11 +109,17 @@ class step_meta_array {
   }
 
   /// Copies the first `count` staged elements to the device on `s` (async), guards the slot with an
-  /// event, and moves staging to the other slot. Inside a capture this records a memcpy node from
-  /// the current slot instead (prefer capture_copy() for that).
+  /// event, and moves staging to the other slot. Throws usage_error while `s` is capturing (use
+  /// capture_copy() there).
   void push(stream_ref s) { push(s, count_); }
   void push(stream_ref s, std::size_t count) {
     live("push");
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    REPLAY_CHECK(cudaStreamIsCapturing(s.get(), &status));
+    if (status != cudaStreamCaptureStatusNone)
+      throw usage_error("replay::step_meta::push: the stream is capturing; a captured push would "
+                        "replay a stale staging slot. Call capture_copy() inside the capture and "
+                        "write graph_staging() before each launch instead");
     if (count > count_)
       throw usage_error(fmt::format("replay::step_meta_array::push: {} elements, capacity {}", count,
                                     count_));
@@ -98,25 +131,27 @@ class step_meta_array {
     state_->current = (slot + 1) % slots;
   }
 
-  /// Records, inside a capture on `s`, a copy from the graph-staging slot to the device: every
-  /// replay then starts by copying whatever graph_staging() holds.
+  /// Records, inside a capture on `s`, a copy from the graph-staging slot to the device followed by
+  /// an event-record node: every replay then starts by copying whatever graph_staging() holds and
+  /// marks when the copy is done. Throws usage_error when `s` is not capturing.
   void capture_copy(stream_ref s) {
     live("capture_copy");
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    REPLAY_CHECK(cudaStreamIsCapturing(s.get(), &status));
+    if (status != cudaStreamCaptureStatusActive)
+      throw usage_error("replay::step_meta::capture_copy: the stream is not capturing; use push() "
+                        "for an eager copy");
     REPLAY_CHECK(cudaMemcpyAsync(device_.data(), staging_.data() + slots * count_, count_ * sizeof(T),
                                  cudaMemcpyHostToDevice, s.get()));
+    REPLAY_CHECK(cudaEventRecordWithFlags(state_->events[slots].get(), s.get(), cudaEventRecordExternal));
+    state_->pending[slots] = true;
   }
-  /// The source of the in-graph copy. Waits until the last launch marked with launched() has
-  /// finished copying it.
+  /// The source of the in-graph copy. Waits until every launched replay has finished copying it
+  /// (the event-record node that capture_copy() captured).
   [[nodiscard]] std::span<T> graph_staging() {
     live("graph_staging");
-    guard(slots);
+    if (state_->pending[slots]) state_->events[slots].synchronize();  // stays pending: every replay re-records
     return {staging_.data() + slots * count_, count_};
-  }
-  /// Marks that a graph reading graph_staging() was launched on `s`.
-  void launched(stream_ref s) {
-    live("launched");
-    state_->events[slots].record(s);
-    state_->pending[slots] = true;
   }
 
   /// Waits for every copy that may still read staging memory.
@@ -138,8 +173,13 @@ class step_meta_array {
   void guard(std::size_t slot) {
     if (state_->pending[slot]) {
       state_->events[slot].synchronize();
-      state_->pending[slot] = false;
+      if (slot != slots) state_->pending[slot] = false;  // the graph slot's event is re-recorded by replays
     }
+  }
+  void drain() noexcept {
+    if (!state_) return;
+    for (std::size_t i = 0; i <= slots; ++i)
+      if (state_->pending[i]) (void)detail::check_noexcept(cudaEventSynchronize(state_->events[i].get()));
   }
 
   std::size_t count_ = 0;
@@ -171,7 +211,6 @@ class step_meta {
   }
   void capture_copy(stream_ref s) { a_.capture_copy(s); }
   [[nodiscard]] T& graph_staging() { return a_.graph_staging()[0]; }
-  void launched(stream_ref s) { a_.launched(s); }
   void wait_idle() { a_.wait_idle(); }
 
  private:

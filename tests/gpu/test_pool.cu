@@ -273,3 +273,23 @@ TEST_CASE("graph_key fields separate graphs that differ in more than the bucket"
   CHECK(st.keys[0].last_capture.nodes == 4);
   CHECK(st.keys[1].last_capture.nodes == 8);
 }
+
+TEST_CASE("a pool belongs to its device: using it while another device is current is refused") {
+  replay::stream s;
+  replay::device_buffer<float> x(32), y(32);
+  int current = -1;
+  REPLAY_CHECK(cudaGetDevice(&current));
+  // A pool made for another device than the current one behaves as a pool used on the wrong GPU.
+  replay::graph_pool<int> foreign({}, replay::cuda_graph_backend(current + 1));
+  auto step = [&](replay::stream_ref cs) { scale_into<<<1, 32, 0, cs.get()>>>(x.data(), y.data(), 2.0f); };
+  CHECK_THROWS_WITH_AS(foreign.run(1, s, step), doctest::Contains("belongs to device"), replay::usage_error);
+  CHECK(foreign.size() == 0);
+  CHECK_FALSE(s.is_capturing());
+  replay::step_runner<int> runner([&](replay::stream_ref cs, const int&) { step(cs); }, {},
+                                  replay::cuda_graph_backend(current + 1));
+  CHECK_THROWS_AS(runner.run(1, s), replay::usage_error);  // misuse, not a fallback
+  replay::graph_pool<int> own;  // made on the current device
+  CHECK(own.backend().device() == current);
+  CHECK(own.run(1, s, step) == replay::step_path::captured);
+  s.synchronize();
+}

@@ -54,12 +54,16 @@ class fake_backend {
  public:
   using exec_type = fake_exec;
   using stream_type = int;
+  /// The stream of the graph's last launch or upload (-1: never ran).
+  struct fence_type {
+    int last = -1;
+  };
 
   explicit fake_backend(std::shared_ptr<journal> j = std::make_shared<journal>()) : j_(std::move(j)) {}
 
   template <class Step, class Key>
   replay::capture_info capture(Step& step, const Key& key, int s, const replay::pool_options&,
-                               replay::pool_phase& phase, fake_exec& out) {
+                               replay::pool_phase& phase, fake_exec& out, fence_type& fence) {
     phase = replay::pool_phase::capture;
     j_->capturing = true;
     try {
@@ -74,6 +78,7 @@ class fake_backend {
       throw fake_failure("fake instantiate failure");
     }
     out = fake_exec{++next_id_, replay::describe_key(key)};
+    fence.last = s;
     ++j_->captures;
     j_->events.push_back(fmt::format("capture {}", out.key));
     replay::capture_info info;
@@ -86,16 +91,18 @@ class fake_backend {
     return info;
   }
 
-  void launch(const fake_exec& e, int s) {
+  void launch(const fake_exec& e, fence_type& fence, int s) {
     if (!e) throw std::logic_error("launch of an empty fake exec");
     if (j_->fail_launch) throw fake_failure("fake launch failure");
     ++j_->launches;
+    fence.last = s;
     j_->events.push_back(fmt::format("launch {} s{}", e.key, s));
   }
 
-  void retire(fake_exec&& e, const int* last) noexcept {
+  void retire(fake_exec&& e, fence_type&& fence) noexcept {
     if (!e) return;
-    j_->events.push_back(last ? fmt::format("retire {} s{}", e.key, *last) : fmt::format("retire {}", e.key));
+    j_->events.push_back(fence.last >= 0 ? fmt::format("retire {} s{}", e.key, fence.last)
+                                         : fmt::format("retire {}", e.key));
     j_->pending.push_back(e.key);
     e = fake_exec{};
   }

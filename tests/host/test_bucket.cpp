@@ -158,3 +158,47 @@ TEST_CASE("describe and fmt") {
   CHECK(fmt::format("{}", replay::bucket_policy::every(8, 64)) == "every 8 up to 64 (8 buckets)");
   CHECK(fmt::format("{}", replay::bucket_policy::vllm_default(64)) == "1, 2, 4 then every 8 up to 64 (11 buckets)");
 }
+
+TEST_CASE("generated policies with too many buckets are refused, never looped over") {
+  constexpr std::size_t big = std::size_t{1} << 62;
+  CHECK_THROWS_AS(replay::bucket_policy::every(1, SIZE_MAX), replay::usage_error);
+  CHECK_THROWS_AS(replay::bucket_policy::vllm_default(SIZE_MAX), replay::usage_error);
+  // A step near the top of the range: no wrap-around.
+  const auto p = replay::bucket_policy::every(big, SIZE_MAX);
+  CHECK(sizes_of(p) == std::vector<std::size_t>{big, 2 * big, 3 * big, SIZE_MAX});
+  const auto q = replay::bucket_policy::powers_of_two(SIZE_MAX);
+  CHECK(q.count() == 65);
+  CHECK(q.largest() == SIZE_MAX);
+  CHECK(replay::bucket_policy::every(8, 8 * replay::bucket_policy::max_buckets).count() ==
+        replay::bucket_policy::max_buckets);
+}
+
+TEST_CASE("average_waste over a huge range is computed per bucket, and matches the loop") {
+  const auto p = replay::bucket_policy::vllm_default(512);
+  const auto w = p.average_waste(SIZE_MAX);  // returns at once
+  CHECK(w.oversize_share == doctest::Approx(1.0));
+  for (std::size_t max_n : {1u, 7u, 100u, 512u, 600u}) {
+    double mean = 0, pad = 0, rows = 0;
+    std::size_t fit = 0;
+    for (std::size_t n = 1; n <= max_n; ++n) {
+      const auto b = p.pad(n);
+      if (!b) continue;
+      ++fit;
+      mean += double(*b - n) / double(*b);
+      pad += double(*b - n);
+      rows += double(*b);
+    }
+    const auto s = p.average_waste(max_n);
+    CHECK(s.mean_waste == doctest::Approx(mean / double(fit)));
+    CHECK(s.padded_row_share == doctest::Approx(pad / rows));
+  }
+}
+
+TEST_CASE("average_waste refuses NaN and infinite weights") {
+  const auto p = replay::bucket_policy::powers_of_two(8);
+  const double nan = std::nan("");
+  const double inf = HUGE_VAL;
+  CHECK_THROWS_AS((void)p.average_waste(std::vector<double>{0, 1, nan}), replay::usage_error);
+  CHECK_THROWS_AS((void)p.average_waste(std::vector<double>{0, inf, 1}), replay::usage_error);
+  CHECK_THROWS_AS((void)p.average_waste(std::vector<double>{0, 1e308, 1e308}), replay::usage_error);
+}

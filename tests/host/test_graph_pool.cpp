@@ -14,6 +14,7 @@
 #include <limits>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -359,7 +360,7 @@ TEST_CASE("key hashing: member hash(), std::hash, and describe_key") {
 
 // ---- statistics -------------------------------------------------------------------------------
 
-TEST_CASE("stats arithmetic: hit rate, rows, eager counts, per-key figures") {
+TEST_CASE("stats arithmetic: hit rate, rows, per-key figures") {
   fixture f;
   auto pool = f.make({.capacity = 2});
   pool.run(8, 0, f.step, {.real = 5, .bucket = 8});   // miss
@@ -367,10 +368,6 @@ TEST_CASE("stats arithmetic: hit rate, rows, eager counts, per-key figures") {
   pool.run(8, 0, f.step, {.real = 8, .bucket = 8});   // hit
   pool.run(4, 0, f.step, {.real = 3, .bucket = 4});   // miss
   pool.run(2, 0, f.step, {.real = 2, .bucket = 2});   // miss, evicts 8
-  pool.note_eager(replay::step_path::eager_oversize, {.real = 100, .bucket = 0});
-  pool.note_eager(replay::step_path::eager_fallback, {.real = 1, .bucket = 1});
-  pool.note_eager(replay::step_path::eager_disabled, {});
-  pool.note_eager(replay::step_path::replayed, {.real = 1000});  // not an eager path: ignored
 
   const replay::pool_stats s = pool.stats();
   CHECK(s.hits == 2);
@@ -379,14 +376,11 @@ TEST_CASE("stats arithmetic: hit rate, rows, eager counts, per-key figures") {
   CHECK(s.hit_rate() == doctest::Approx(0.4));
   CHECK(s.captures == 3);
   CHECK(s.evictions == 1);
-  CHECK(s.eager_oversize == 1);
-  CHECK(s.eager_fallbacks == 1);
-  CHECK(s.eager_disabled == 1);
-  CHECK(s.eager_runs() == 3);
-  CHECK(s.real_rows == 5 + 7 + 8 + 3 + 2 + 100 + 1);
-  CHECK(s.padded_rows == 8 + 8 + 8 + 4 + 2 + 100 + 1);
+  CHECK(s.eager_runs() == 0);  // eager runs are the runner's (runner.hpp)
+  CHECK(s.real_rows == 5 + 7 + 8 + 3 + 2);
+  CHECK(s.padded_rows == 8 + 8 + 8 + 4 + 2);
   CHECK(s.padding_rows() == 3 + 1 + 0 + 1);
-  CHECK(s.padding_waste() == doctest::Approx(5.0 / 131.0));
+  CHECK(s.padding_waste() == doctest::Approx(5.0 / 30.0));
   CHECK(s.resident == 2);
   CHECK(s.capacity == 2);
   REQUIRE(s.keys.size() == 3);
@@ -460,4 +454,61 @@ TEST_CASE("hit path cost model: a hit is one lookup and one launch") {
   CHECK(f.j->launches == launches + 1000);
   CHECK(f.j->collects == collects);  // the hit path never polls retired graphs
   CHECK(pool.counters().hits == 1000);
+}
+
+// ---- misuse -----------------------------------------------------------------------------------
+
+namespace {
+/// A key with a floating-point field: NaN never compares equal to itself.
+struct float_key {
+  double scale = 1.0;
+  friend bool operator==(const float_key&, const float_key&) = default;
+  [[nodiscard]] std::size_t hash() const noexcept { return replay::hash_values(scale); }
+};
+}  // namespace
+
+TEST_CASE("a step that runs its own pool is refused, and the LRU stays consistent") {
+  fixture f;
+  auto pool = f.make({.warmup = 1});
+  bool inner_threw = false;
+  auto step = [&](int s, std::size_t) {
+    try {
+      pool.run(4, s, f.step);  // re-entry from inside the warm-up / capture
+    } catch (const replay::usage_error&) {
+      inner_threw = true;
+    }
+  };
+  CHECK(pool.run(8, 0, step) == replay::step_path::captured);
+  CHECK(inner_threw);
+  CHECK(pool.lru_order() == keys({8}));
+  auto ensure_inside = [&](int s, std::size_t) { (void)pool.ensure(2, s, f.step); };
+  CHECK(pool.run(8, 0, ensure_inside) == replay::step_path::replayed);  // a hit never calls the step
+  CHECK_THROWS_AS(pool.run(32, 0, ensure_inside), replay::usage_error);
+  CHECK(pool.lru_order() == keys({8}));
+  auto prewarm_inside = [&](int s, std::size_t) { (void)pool.prewarm({1, 2}, s, f.step); };
+  CHECK_THROWS_AS(pool.run(16, 0, prewarm_inside), replay::usage_error);
+  CHECK(pool.lru_order() == keys({8}));
+  CHECK(pool.size() == 1);
+}
+
+TEST_CASE("moving a pool from inside its own step is refused") {
+  fixture f;
+  auto pool = f.make({.warmup = 0});
+  std::optional<fake_pool<std::size_t>> moved;
+  auto step = [&](int, std::size_t) { moved.emplace(std::move(pool)); };
+  CHECK_THROWS_AS(pool.run(8, 0, step), replay::usage_error);
+  CHECK_FALSE(moved.has_value());
+  CHECK(pool.run(8, 0, f.step) == replay::step_path::captured);  // the pool is intact
+}
+
+TEST_CASE("a key that does not compare equal to itself is refused instead of growing the pool") {
+  auto j = std::make_shared<journal>();
+  replay::basic_graph_pool<float_key, fake_backend> pool({}, fake_backend(j));
+  const float_key nan{std::numeric_limits<double>::quiet_NaN()};
+  for (int i = 0; i < 3; ++i)
+    CHECK_THROWS_WITH_AS(pool.run(nan, 0, [](int) {}), doctest::Contains("does not compare equal to itself"),
+                         replay::usage_error);
+  CHECK(pool.size() == 0);
+  CHECK(pool.stats().keys.empty());
+  CHECK(pool.run(float_key{2.0}, 0, [](int) {}) == replay::step_path::captured);
 }

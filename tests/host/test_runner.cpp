@@ -284,3 +284,44 @@ TEST_CASE("the runner is move-constructible") {
   runner_t moved = std::move(r);
   CHECK(moved.run(key_for(8), 0) == step_path::replayed);
 }
+
+TEST_CASE("an exception not derived from std::exception under capture still falls back to eager") {
+  env_guard g(nullptr);
+  fixture f;
+  auto r = runner_t(
+      [&](int, const replay::graph_key& k) {
+        if (f.j->capturing) throw 42;  // not a std::exception
+        f.calls.push_back(fmt::format("eager {}", k.bucket));
+      },
+      {.warn = [&](std::string_view m) { f.warnings.emplace_back(m); }}, fake_backend(f.j));
+  CHECK(r.run(key_for(8), 0) == step_path::eager_fallback);
+  CHECK(f.calls.back() == "eager 8");
+  REQUIRE(f.warnings.size() == 1);
+  CHECK(f.warnings[0].find("not derived from std::exception") != std::string::npos);
+}
+
+TEST_CASE("runner.prewarm de-duplicates keys before checking the capacity") {
+  env_guard g(nullptr);
+  fixture f;
+  auto r = f.make({.pool = {.capacity = 2}});
+  const std::vector<replay::graph_key> keys{key_for(8), key_for(8), key_for(4), key_for(4), key_for(8)};
+  CHECK(r.prewarm(keys, 0) == 2);
+  CHECK(r.stats().prewarmed == 2);
+  CHECK(r.prewarm(keys, 0) == 0);  // resident keys are not counted again
+  const std::vector<replay::graph_key> three{key_for(1), key_for(2), key_for(4)};
+  CHECK_THROWS_AS(r.prewarm(three, 0), replay::usage_error);  // 2 new + 2 resident > 2
+}
+
+TEST_CASE("misuse of the runner's own pool from its step propagates as usage_error") {
+  env_guard g(nullptr);
+  fixture f;
+  runner_t* self = nullptr;
+  auto r = runner_t(
+      [&](int s, const replay::graph_key& k) {
+        if (k.bucket == 8) (void)self->pool().run(key_for(4), s, [](int) {});
+      },
+      {}, fake_backend(f.j));
+  self = &r;
+  CHECK_THROWS_AS(r.run(key_for(8), 0), replay::usage_error);
+  CHECK(r.graphs_enabled());  // misuse is not a graph failure: no fallback
+}

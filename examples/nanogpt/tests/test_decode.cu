@@ -1,5 +1,6 @@
-// GPU tests of the NanoGPT decoder: logits against a CPU reference, eager == graph tokens for
-// several prompts / lengths / sampling settings, graph structure, argument checks.
+// GPU tests of the NanoGPT decoder: logits against a CPU reference, eager == graph == device-loop
+// tokens for several prompts / lengths / sampling settings / steps per launch, graph structure,
+// argument checks.
 #include "gpu_test.hpp"
 #include "nanogpt/model.hpp"
 #include "nanogpt/vocab.hpp"
@@ -7,6 +8,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -111,7 +113,6 @@ std::vector<std::vector<double>> reference_logits(const Weights& w, const std::v
 /// The launch settings the tests cover: every metadata path, PDL on and off.
 const std::vector<ModelOptions>& all_variants() {
   static const std::vector<ModelOptions> v = {
-      {.pdl = true, .meta = MetaPath::mapped},     {.pdl = false, .meta = MetaPath::mapped},
       {.pdl = true, .meta = MetaPath::push},       {.pdl = false, .meta = MetaPath::push},
       {.pdl = true, .meta = MetaPath::graph_copy},
       {.pdl = true, .meta = MetaPath::device},     {.pdl = false, .meta = MetaPath::device},
@@ -261,7 +262,7 @@ TEST_CASE("different seeds sample different text; greedy ignores the seed") {
 }
 
 TEST_CASE("the captured step is 10 kernel nodes and one capture serves every position") {
-  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped, MetaPath::device}) {
+  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::device}) {
   CAPTURE(to_string(meta));
   const bool in_graph = meta == MetaPath::graph_copy;
   Model model(spicy_weights(4), {.pdl = true, .meta = meta});
@@ -271,7 +272,8 @@ TEST_CASE("the captured step is 10 kernel nodes and one capture serves every pos
   model.capture_decode_graph();
   CHECK(model.has_graph());
   CHECK(model.graph_kernel_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
-  CHECK(model.graph_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step + (in_graph ? 1 : 0)));
+  // graph-copy adds the metadata copy and its guard (an event-record node).
+  CHECK(model.graph_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step + (in_graph ? 2 : 0)));
   // Reuse the same graph for two different prompts and compare with eager.
   for (const char* text : {"O", "Good morrow, cousin."}) {
     const auto p = encode(text);
@@ -303,29 +305,15 @@ TEST_CASE("steps enqueued without reading their token, then synchronous steps") 
   }
 }
 
-TEST_CASE("null kernels: the step machinery without model work") {
-  for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::mapped, MetaPath::device}) {
-    CAPTURE(to_string(meta));
-    Model model(spicy_weights(2), {.pdl = true, .meta = meta, .null_kernels = true});
-    const auto prompt = encode("ROMEO:");
-    const auto e = generate(model, prompt, 20, Mode::eager, {});
-    const auto g = generate(model, prompt, 20, Mode::graph, {});
-    CHECK(model.graph_kernel_nodes() == static_cast<std::size_t>(Model::kernels_per_decode_step));
-    CHECK(e.tokens == g.tokens);
-    // The empty kernels hand the input token back: every token repeats the prefill's.
-    for (auto t : g.tokens) CHECK(t == g.tokens[0]);
-  }
-}
-
 TEST_CASE("MetaPath::device: steps the device did not predict are pushed, predicted ones are not") {
   // The device path writes nothing from the host for a step whose metadata the previous step's
   // sampler already wrote. Any other step must still see exactly the metadata it was given: forced
-  // tokens, repeated and skipped positions, other sampling settings. Compared with the mapped path
+  // tokens, repeated and skipped positions, other sampling settings. Compared with the push path
   // (the host writes every step), token for token and logit for logit.
   for (bool pdl : {true, false}) {
     CAPTURE(pdl);
     Model dev(spicy_weights(8), {.pdl = pdl, .meta = MetaPath::device});
-    Model ref(spicy_weights(8), {.pdl = pdl, .meta = MetaPath::mapped});
+    Model ref(spicy_weights(8), {.pdl = pdl, .meta = MetaPath::push});
     const auto prompt = encode("KING LEAR:");
     for (Mode mode : {Mode::eager, Mode::graph}) {
       CAPTURE(to_string(mode));
@@ -368,6 +356,134 @@ TEST_CASE("MetaPath::device: steps the device did not predict are pushed, predic
     CHECK(dev.meta_writes() - before == 2);
     CHECK(e.tokens == g.tokens);
   }
+}
+
+TEST_CASE("the device loop gives the tokens of eager and graph decoding for several K, prompts and lengths") {
+  std::vector<std::pair<std::string, Weights>> weight_sets;
+  weight_sets.emplace_back("spicy", spicy_weights(13));
+  if (std::filesystem::exists(NANOGPT_DEFAULT_WEIGHTS))
+    weight_sets.emplace_back("shipped", load_weights(NANOGPT_DEFAULT_WEIGHTS));
+  struct Case {
+    std::string prompt;
+    int tokens;
+    Sampling sampling;
+  };
+  const std::vector<Case> cases = {
+      {"\n", 63, {1.0f, 42, false}},                // to the context limit
+      {"ROMEO:", 20, {0.8f, 7, false}},
+      {"To be, or not to be", 45, {1.0f, 1337, false}},  // to the context limit
+      {"KING", 33, {1.0f, 0, true}},
+      {"a", 2, {1.0f, 9, false}},
+  };
+  const ModelOptions variants[] = {{.pdl = true, .meta = MetaPath::device}, {.pdl = false, .meta = MetaPath::device},
+                                   {.pdl = true, .meta = MetaPath::push}};
+  for (const auto& [wname, w] : weight_sets) {
+    for (const ModelOptions& opt : variants) {
+      Model model(w, opt);
+      for (const auto& c : cases) {
+        CAPTURE(wname);
+        CAPTURE(opt.pdl);
+        CAPTURE(to_string(opt.meta));
+        CAPTURE(c.prompt);
+        CAPTURE(c.tokens);
+        const auto prompt = encode(c.prompt);
+        const auto e = generate(model, prompt, c.tokens, Mode::eager, c.sampling);
+        const auto g = generate(model, prompt, c.tokens, Mode::graph, c.sampling);
+        REQUIRE(e.tokens == g.tokens);
+        const auto graph_logits = model.logits();
+        for (int k : {1, 3, 16, 64}) {
+          CAPTURE(k);
+          // A fresh capture: min(k, 8) steps per run of the loop's body.
+          const auto l = generate_looped(model, prompt, c.tokens, k, c.sampling, /*fresh_capture=*/true);
+          CHECK(model.loop_steps_per_iteration() == std::min(k, Model::default_loop_steps_per_iteration));
+          CHECK(l.tokens == g.tokens);
+          CHECK_FALSE(l.stopped);
+          CHECK(l.launch_us.size() == static_cast<std::size_t>((c.tokens - 1 + k - 1) / k));
+          CHECK(model.logits() == graph_logits);  // the last step's logits, bit for bit
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a stop token ends every path at the same token, inside a launch of the device loop") {
+  const Weights w = spicy_weights(17);
+  for (MetaPath meta : {MetaPath::device, MetaPath::push}) {
+    CAPTURE(to_string(meta));
+    Model model(w, {.pdl = true, .meta = meta});
+    const auto prompt = encode("MENENIUS:");
+    const Sampling s{1.0f, 31, false};
+    const auto full = generate(model, prompt, 40, Mode::graph, s);
+    for (std::size_t at : {std::size_t{0}, std::size_t{6}, std::size_t{21}}) {
+      // The stop token: the token at index `at`, or the first earlier occurrence of it.
+      const std::int32_t stop = full.tokens[at];
+      const std::size_t first = static_cast<std::size_t>(
+          std::find(full.tokens.begin(), full.tokens.end(), stop) - full.tokens.begin());
+      CAPTURE(at);
+      CAPTURE(first);
+      const std::vector<std::int32_t> expected(full.tokens.begin(), full.tokens.begin() + first + 1);
+      const auto e = generate(model, prompt, 40, Mode::eager, s, true, stop);
+      const auto g = generate(model, prompt, 40, Mode::graph, s, false, stop);
+      CHECK(e.tokens == expected);
+      CHECK(g.tokens == expected);
+      CHECK(e.stopped);
+      // Any number of steps per run of the body: the steps after the stop do nothing.
+      for (int per_run : {1, 3, 8}) {
+        model.capture_loop_graph(per_run);
+        for (int k : {4, 16, 64}) {
+          CAPTURE(per_run);
+          CAPTURE(k);
+          const auto l = generate_looped(model, prompt, 40, k, s, false, stop);
+          CHECK(l.tokens == expected);
+          CHECK(l.stopped);
+        }
+      }
+    }
+    // A stop token that never comes: the full generation.
+    const auto l = generate_looped(model, prompt, 40, 16, s, false, -1);
+    CHECK(l.tokens == full.tokens);
+  }
+}
+
+TEST_CASE("the device loop advances the metadata on the device: the host writes it once per generation") {
+  const Weights w = spicy_weights(19);
+  const auto prompt = encode("GLOUCESTER:");
+  Model dev(w, {.pdl = true, .meta = MetaPath::device});
+  (void)generate_looped(dev, prompt, 40, 8, {1.0f, 3, false});  // captures the loop graph
+  std::size_t before = dev.meta_writes();
+  const auto a = generate_looped(dev, prompt, 40, 8, {1.0f, 3, false}, false);
+  CHECK(a.launch_us.size() == 5u);
+  CHECK(dev.meta_writes() - before == 1);  // the prefill's; every launch found its metadata on the device
+  // Per step after a loop launch: the device holds the next step's metadata (no push either).
+  Model push(w, {.pdl = true, .meta = MetaPath::push});
+  before = push.meta_writes();
+  const auto b = generate_looped(push, prompt, 40, 8, {1.0f, 3, false});
+  CHECK(push.meta_writes() - before == 2);  // the prefill's and the first launch's
+  CHECK(a.tokens == b.tokens);
+  // Mixing: a loop launch, then per-step decoding from where it stopped, gives the same text.
+  std::vector<std::int32_t> mixed{dev.prefill(prompt, {1.0f, 3, false})};
+  int pos = static_cast<int>(prompt.size());
+  const LoopLaunch l = dev.decode_loop(mixed.back(), pos, {1.0f, 3, false}, 10, -1, mixed);
+  CHECK(l.steps == 10);
+  pos += l.steps;
+  dev.capture_decode_graph();
+  while (mixed.size() < 40) mixed.push_back(dev.decode_step(mixed.back(), pos++, {1.0f, 3, false}, Mode::graph));
+  CHECK(mixed == a.tokens);
+}
+
+TEST_CASE("the device loop refuses bad arguments") {
+  Model model(random_weights(1));
+  std::vector<std::int32_t> out;
+  CHECK_THROWS_AS((void)model.decode_loop(0, 0, {}, 4, -1, out), replay::usage_error);  // no loop graph yet
+  model.capture_loop_graph();
+  CHECK(model.has_loop_graph());
+  CHECK_THROWS_AS((void)model.decode_loop(0, 60, {}, 5, -1, out), std::invalid_argument);
+  CHECK_THROWS_AS((void)model.decode_loop(0, 3, {}, 0, -1, out), std::invalid_argument);
+  CHECK_THROWS_AS((void)model.decode_loop(70, 3, {}, 2, -1, out), std::invalid_argument);
+  CHECK_THROWS_AS((void)generate_looped(model, encode("abc"), 10, 0, {}), std::invalid_argument);
+  CHECK_THROWS_AS((void)generate_looped(model, encode("abc"), 10, 65, {}), std::invalid_argument);
+  CHECK_THROWS_AS(model.capture_loop_graph(0), std::invalid_argument);
+  CHECK(out.empty());
 }
 
 TEST_CASE("decode_step and prefill refuse bad arguments") {

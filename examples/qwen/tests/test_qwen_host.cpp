@@ -88,6 +88,13 @@ TEST_CASE("presets have the released Qwen3 shapes") {
   CHECK(b.total_params() > 4'000'000'000);
   CHECK(preset("qwen3-1.7b").hidden_size == 2048);
   CHECK(preset("tiny").head_dim == 64);
+  const Config e = preset("qwen3-8b");
+  CHECK(e.hidden_size == 4096);
+  CHECK(!e.tie_word_embeddings);
+  const Config f = preset("qwen3-14b");
+  CHECK(f.group_size() == 5);  // 40 query heads over 8 kv heads
+  CHECK(f.total_params() > 14'000'000'000);
+  CHECK(f.total_params() < 15'500'000'000);
   CHECK(contains(error_of([] { (void)preset("qwen9"); }), "unknown preset"));
 }
 
@@ -192,10 +199,12 @@ TEST_CASE("request checks happen before GPU work") {
   o.kv_budget_bytes = 100;
   CHECK(contains(error_of([&] { o.validate(c); }), "at least 2 are needed"));
   o.kv_budget_bytes = static_cast<std::size_t>(kv_block_bytes(c, 16)) * 9;
-  o.mega_attn_heads = 3;
-  CHECK(contains(error_of([&] { o.validate(c); }), "query heads per attention item must be 0, 1 or 2"));
-  o.mega_attn_heads = 2;
+  o.gemv_max_rows = 8;
+  CHECK(contains(error_of([&] { o.validate(c); }), "fused-GEMV bucket must be 0, 1, 2 or 4"));
+  o.gemv_max_rows = 4;
   CHECK(error_of([&] { o.validate(c); }).empty());
+  o.kv_budget_bytes = std::size_t(1) << 62;  // a huge budget: the error gives a sane block count
+  CHECK(contains(error_of([&] { o.validate(c); }), "at most 2^30 are supported"));
 }
 
 TEST_CASE("weights are checked against the config") {

@@ -2,7 +2,7 @@
 # Nsight Compute stall sampling of the persistent decode kernel (GPU machine):
 #   source .deps/tools/env.sh && BIN_DIR=dir bash scripts/gpu-qwen-mega-ncu.sh [preset]
 # Profiles one eager decode step's mega_kernel, then prints the warp-state summary and the SASS
-# instructions with the most stall samples (scripts/ncu-source-top.py); with a binary built with
+# instructions with the most stall samples (research/qwen/scripts/ncu-source-top.py); with a binary built with
 # -lineinfo (QWEN_BIN=path), also the CUDA source lines with the most.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -19,6 +19,6 @@ echo "ncu exit $?"
 /usr/local/cuda/bin/ncu -i "$rep.ncu-rep" --page details >"$out/ncu_details_$preset.txt" 2>&1
 grep -E "Duration|Stall|Issued|Eligible|Active Warps|No Eligible|One or More" "$out/ncu_details_$preset.txt" | head -40
 /usr/local/cuda/bin/ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$out/ncu_src_$preset.csv" 2>&1
-python3 scripts/ncu-source-top.py "$out/ncu_src_$preset.csv" ${NCU_TOP:-45}
+python3 research/qwen/scripts/ncu-source-top.py "$out/ncu_src_$preset.csv" ${NCU_TOP:-45}
 /usr/local/cuda/bin/ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda >"$out/ncu_cuda_$preset.csv" 2>&1
-python3 scripts/ncu-source-top.py "$out/ncu_cuda_$preset.csv" ${NCU_TOP:-45}
+python3 research/qwen/scripts/ncu-source-top.py "$out/ncu_cuda_$preset.csv" ${NCU_TOP:-45}

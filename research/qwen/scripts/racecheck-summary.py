@@ -2,7 +2,7 @@
 """Groups a compute-sanitizer racecheck hazard report (--racecheck-report hazard) by kind, source
 lines and warps: one line per (kind, read site, write site, reader warp -> writer warp) with the
 count, the blocks and the shared-memory address range.
-    python3 scripts/racecheck-summary.py race.log [--block-threads 288]"""
+    python3 research/qwen/scripts/racecheck-summary.py race.log [--block-threads 288]"""
 import argparse
 import collections
 import re

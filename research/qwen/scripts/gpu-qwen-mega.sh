@@ -19,7 +19,7 @@ out=${OUT:-out}; mkdir -p "$out"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
 bin=${BIN_DIR:-build-gpu-qwen/examples/qwen}
 stages=${*:-tests sanitize bench longctx parity}
-# racecheck (every hazard, grouped by scripts/racecheck-summary.py) of the CLI with mega on the tiny
+# racecheck (every hazard, grouped by research/qwen/scripts/racecheck-summary.py) of the CLI with mega on the tiny
 # shape: tensor-core rows, FMA rows, slots of 2560 weights, split attention (3 chunks of 64 positions)
 racecheck_one() {  # NAME ENV... -- ARGS...
   local name=$1; shift
@@ -29,7 +29,7 @@ racecheck_one() {  # NAME ENV... -- ARGS...
   env "${envs[@]}" timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --show-backtrace no \
     --print-limit 1000000 "$bin/qwen" --preset tiny --batch 1 --mode both --kernels mega "$@" >"$out/mega_race_$name.log" 2>&1
   echo "racecheck ($name) exit $?: $(grep -E 'RACECHECK SUMMARY' "$out/mega_race_$name.log")"
-  python3 scripts/racecheck-summary.py "$out/mega_race_$name.log" --top 8
+  python3 research/qwen/scripts/racecheck-summary.py "$out/mega_race_$name.log" --top 8
 }
 # QWEN_MEGA_SERIAL_ISSUE=1: the producer lanes issue their bulk copies one at a time, which racecheck
 # follows; the default (lanes together) is the same protocol, whose reports racecheck attributes to

@@ -10,8 +10,8 @@
 // values (constants here).
 //
 //   qwen_gemv_floor --preset qwen3-0.6b --preset qwen3-4b --rows 1,4
-#include "qwen/config.hpp"
-#include "qwen/kernels.cuh"
+#include "config.hpp"
+#include "kernels.cuh"
 
 #include <common/device.hpp>
 #include <common/report.hpp>

@@ -1,0 +1,326 @@
+// examples/qwen/attention.cu: decode attention over the paged KV cache, and prefill's K/V write.
+//
+// One block per (kv head, row, split) serves the G query heads that share the kv head, so each
+// sequence's K/V is read once per step. Per-head RMSNorm (q_norm / k_norm) and RoPE are fused into
+// the prologue; in decode the block that owns the row's last position also writes the new K/V into
+// the pool. Before pdl::wait() the kernel reads the step metadata and the first 64 positions' K/V
+// (decode only: this kernel is the step's only writer of the layer's cache). Long contexts are split
+// over several blocks (AttnSplit) and merged by the last block to finish.
+#include "kernels.cuh"
+#include "device.cuh"
+
+#include <replay/error.hpp>
+#include <replay/launch.hpp>
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace qwen {
+namespace {
+
+using namespace dev;
+
+__device__ __forceinline__ bf16* kv_slot_ptr(const KvPool& kv, bf16* layer_base, int blk, int head, int off) {
+  return layer_base + ((std::size_t(blk) * kv.kv_heads + head) * kv.block_size + off) * kv.head_dim;
+}
+
+/// Norm + RoPE of K head `h` of row r, and its V, written into the paged pool at the row's position.
+/// `blk` is the physical block holding position `pos` of the row's sequence.
+template <int D>
+__device__ __forceinline__ void write_kv_head(const float* qkv_row, int q_dim, int kv_dim, const bf16* k_norm,
+                                              float eps, const float2* rope, int pos, int blk, const KvPool& kv,
+                                              int layer, int h, int lane, bf16* k_s = nullptr,
+                                              bf16* v_s = nullptr) {
+  constexpr int E = D / 64;
+  const int off = pos % kv.block_size;
+  bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
+  bf16* kp = kv_slot_ptr(kv, kbase, blk, h, off);
+  bf16* vp = kv_slot_ptr(kv, kbase + kv.kv_stride(), blk, h, off);
+  const float* v = qkv_row + q_dim + kv_dim + h * D;
+  float vv[D / 32];  // V loaded together with K (one round trip)
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) vv[i] = __ldcg(v + lane + 32 * i);
+  float lo[E], hi[E];
+  norm_rope_head<D>(qkv_row + q_dim + h * D, k_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    kp[lane * E + e] = __float2bfloat16(lo[e]);
+    kp[D / 2 + lane * E + e] = __float2bfloat16(hi[e]);
+    if (k_s != nullptr) {
+      k_s[lane * E + e] = __float2bfloat16(lo[e]);
+      k_s[D / 2 + lane * E + e] = __float2bfloat16(hi[e]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    const bf16 x = __float2bfloat16(vv[i]);
+    vp[lane + 32 * i] = x;
+    if (v_s != nullptr) v_s[lane + 32 * i] = x;
+  }
+}
+
+template <int D>
+__global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* k_norm, float eps,
+                                const float2* rope, RowMeta meta, KvPool kv, int layer) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const int r = blockIdx.x, h = blockIdx.y;
+  const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
+  const int pos = meta.pos[r];
+  const int blk = meta.block_table[std::size_t(meta.slot[r]) * meta.table_width + pos / kv.block_size];
+  write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk, kv, layer, h, threadIdx.x & 31);
+}
+
+constexpr int kAttnWarps = 8;
+
+/// One block per (kv head, row, split): the G query heads sharing that kv head. 8 lanes per token
+/// (DPL dims each), 4 tokens per warp and 32 per block in flight; online softmax per lane group,
+/// then a combine across groups (shuffles) and warps (shared memory).
+/// Split-KV (AttnSplit, decode): a long context is cut into chunks of at least sp.min_chunk
+/// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
+/// block writes the output itself; otherwise each block stores its partial softmax state and the
+/// last block to finish (a counter per (row, kv head)) combines the chunks and writes the output.
+template <int D, int G, int MINB>
+__global__ void __launch_bounds__(kAttnWarps * 32, MINB)
+    attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
+                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out) {
+  constexpr int E = D / 64;
+  constexpr int DPL = D / 8;  // dims per lane
+  constexpr int NV = DPL / 8; // uint4 loads per lane per token
+  __shared__ float q_s[G][D];
+  __shared__ float red_m[kAttnWarps][G], red_l[kAttnWarps][G];
+  __shared__ float red_acc[kAttnWarps][G][D];
+  __shared__ __align__(16) bf16 k_new[D], v_new[D];  // decode: position pos's K/V as written to the cache
+
+  replay::pdl::launch_dependents();
+  const int kvh = blockIdx.x, r = blockIdx.y, split = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane & 7, grp = lane >> 3;
+  const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
+  const bf16* vbase = kbase + kv.kv_stride();
+  // Tokens per lane group per iteration (their K/V loads are in flight together): 64 positions per
+  // block and iteration, the first iteration's loaded before the wait (more costs registers).
+  constexpr int T = 2;
+  auto kv_offset = [&](int blk, int t) {
+    return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
+  };
+
+  // Before waiting for the QKV projection: the step metadata (written before the step began) and,
+  // in decode (write_kv: this kernel is the only writer of the layer's cache in the step, at
+  // position pos), the first iteration's K/V of the earlier positions. In prefill the kernel before
+  // this one writes the chunk's K/V, so everything is read after the wait.
+  const bool pre = write_kv != 0;
+  const int pos = meta.pos[r];
+  const int row_slot = meta.slot[r];  // loaded with pos (the block table row depends on it)
+  const int seq_len = pos + 1;
+  // This block's positions [begin, end): chunk `split` of the context.
+  int chunk = seq_len, chunks = 1;
+  if (sp.splits > 1) {
+    const int even = (seq_len + sp.splits - 1) / sp.splits;
+    chunk = max(sp.min_chunk, (even + 63) / 64 * 64);
+    chunks = (seq_len + chunk - 1) / chunk;
+  }
+  if (split >= chunks) {  // a short context needs fewer blocks than the grid has
+    return;
+  }
+  const int begin = split * chunk, end = min(seq_len, begin + chunk);
+  const bool owns_pos = end == seq_len;  // the last chunk holds position pos
+  const std::int32_t* table = meta.block_table + std::size_t(row_slot) * meta.table_width;
+  const int blk_pos = table[pos / kv.block_size];
+  uint4 kr[T][NV], vr[T][NV];
+#pragma unroll
+  for (int u = 0; u < T; ++u) {
+    const int t = begin + warp * 4 + u * kAttnWarps * 4 + grp;
+    if (pre && t < pos && t < end) {
+      const std::size_t o = kv_offset(table[t / kv.block_size], t);
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+        vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+      }
+    }
+  }
+  replay::pdl::wait();
+
+  const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
+  const float scale = rsqrtf(static_cast<float>(D));
+
+  for (int item = warp; item < G + (write_kv && owns_pos ? 1 : 0); item += kAttnWarps) {
+    if (item < G) {
+      float lo[E], hi[E];
+      norm_rope_head<D>(row + (kvh * G + item) * D, q_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        q_s[item][lane * E + e] = lo[e] * scale;
+        q_s[item][D / 2 + lane * E + e] = hi[e] * scale;
+      }
+    } else {
+      write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk_pos, kv, layer, kvh, lane, k_new, v_new);
+    }
+  }
+  __syncthreads();
+
+  float q[G][DPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h][sub * DPL + j];
+  SoftmaxState<G, DPL> sm;
+  sm.init();
+
+  for (int base = begin + warp * 4; base < end; base += kAttnWarps * 4 * T) {
+    bool valid[T];
+#pragma unroll
+    for (int u = 0; u < T; ++u) {
+      const int t = base + u * kAttnWarps * 4 + grp;
+      valid[u] = t < end;
+      // The first iteration's earlier positions are in registers already; position pos (decode) was
+      // written above, also to shared memory (visible after the barrier): no round trip to L2.
+      if (valid[u] && pre && t == pos) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
+        }
+      } else if (valid[u] && (base != begin + warp * 4 || !pre)) {
+        const std::size_t o = kv_offset(table[t / kv.block_size], t);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < T; ++u) sm.add(q, kr[u], vr[u], valid[u]);
+  }
+  // Combine the 4 lane groups of the warp.
+  sm.combine_groups();
+  store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, &red_m[0][0], &red_l[0][0], &red_acc[0][0][0], D);
+  __syncthreads();
+  // Split-KV: this chunk's state (max, sum, unnormalised output per query head) goes to
+  // sp.partial[row][kv head][split] = {m[G], l[G], acc[G][D]}.
+  constexpr int P = G * (D + 2);
+  float* part = chunks > 1 ? sp.partial + (std::size_t(r) * kv.kv_heads + kvh) * sp.splits * P : nullptr;
+  for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
+    const int h = idx / D, d = idx % D;
+    const auto [mx, L, A] = merge_warp_states<kAttnWarps>(&red_m[0][0], &red_l[0][0], &red_acc[0][0][0], G, D, h, d);
+    if (part == nullptr) {
+      out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
+    } else {
+      float* mine = part + std::size_t(split) * P;
+      mine[2 * G + idx] = A;
+      if (d == 0) mine[h] = mx, mine[G + h] = L;
+    }
+  }
+  if (part == nullptr) return;
+  // The last chunk to arrive combines them all (release: fence, then count; acquire: count, fence).
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned* arrived = sp.arrived + std::size_t(r) * kv.kv_heads + kvh;
+    last = atomicAdd(arrived, 1u) == unsigned(chunks - 1);
+    if (last) *arrived = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
+    const int h = idx / D;
+    float mx = -INFINITY;
+    for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, __ldcg(part + std::size_t(c) * P + h));
+    float L = 0.f, A = 0.f;
+    for (int c = 0; c < chunks; ++c) {
+      const float* other = part + std::size_t(c) * P;
+      const float f = __expf(__ldcg(other + h) - mx);
+      L += __ldcg(other + G + h) * f;
+      A += __ldcg(other + 2 * G + idx) * f;
+    }
+    out[std::size_t(r) * q_dim + (kvh * G + h) * D + idx % D] = __float2bfloat16(A / L);
+  }
+}
+
+/// Calls f(attention_kernel<head_dim, G, MINB>): the one place that maps the runtime shape to an
+/// instance. With 1-2 query heads per kv head the kernel is compiled for two blocks per SM (at most
+/// 128 registers per thread, no spills), so the next GEMV's block fits on its SM beside it; with
+/// more a cap would spill.
+template <int D, class F>
+void with_attention_d(int G, F&& f) {
+  switch (G) {
+    case 1: return f(attention_kernel<D, 1, 2>);
+    case 2: return f(attention_kernel<D, 2, 2>);
+    case 3: return f(attention_kernel<D, 3, 1>);
+    case 4: return f(attention_kernel<D, 4, 1>);
+    case 5: return f(attention_kernel<D, 5, 1>);
+    case 6: return f(attention_kernel<D, 6, 1>);
+    case 7: return f(attention_kernel<D, 7, 1>);
+    case 8: return f(attention_kernel<D, 8, 1>);
+    default:
+      throw replay::usage_error(fmt::format("qwen attention: {} query heads per kv head (supported: 1..{})", G,
+                                            kMaxGroup));
+  }
+}
+template <class F>
+void with_attention(int head_dim, int G, F&& f) {
+  if (head_dim == 128) return with_attention_d<128>(G, std::forward<F>(f));
+  if (head_dim == 64) return with_attention_d<64>(G, std::forward<F>(f));
+  throw replay::usage_error(fmt::format("qwen attention: head_dim {} (supported: 64, 128)", head_dim));
+}
+
+}  // namespace
+
+void init_attention_attributes() {
+  for (int d : {64, 128})
+    for (int g = 1; g <= kMaxGroup; ++g)
+      with_attention(d, g, [](auto kernel) {
+        REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+      });
+}
+
+int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_sms) {
+  // Only a grid that leaves SMs idle is split (a bigger one is already spread over the GPU, and its
+  // extra blocks would cost launch slots at every length); then into as many blocks as fit on the
+  // GPU at once (one wave) when every row's context is long.
+  if (rows * kv_heads >= num_sms) return 1;
+  int per_sm = 0;
+  with_attention(head_dim, q_heads / kv_heads, [&](auto kernel) {
+    REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnWarps * 32, 0));
+  });
+  const int want = (per_sm < 1 ? 1 : per_sm) * num_sms / (rows * kv_heads);
+  return want < 1 ? 1 : want > kMaxAttnSplits ? kMaxAttnSplits : want;
+}
+
+void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
+                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
+                      bf16* out, replay::stream_ref s) {
+  if (sp.splits < 1 || sp.splits > kMaxAttnSplits || (sp.splits > 1 && (sp.partial == nullptr || sp.arrived == nullptr)))
+    throw replay::usage_error("qwen::launch_attention: split-KV needs 1..kMaxAttnSplits splits and its scratch");
+  if (sp.min_chunk < 64 || sp.min_chunk % 64 != 0)
+    throw replay::usage_error("qwen::launch_attention: min_chunk must be a positive multiple of 64");
+  if (kv.kv_heads < 1 || q_heads % kv.kv_heads != 0)
+    throw replay::usage_error("qwen::launch_attention: query heads must be a multiple of kv heads");
+  const int D = kv.head_dim, q_dim = q_heads * D, kv_dim = kv.kv_heads * D;
+  const replay::launch_config c{.grid = dim3(kv.kv_heads, rows, sp.splits), .block = dim3(kAttnWarps * 32),
+                                .stream = s, .pdl = true};
+  with_attention(D, q_heads / kv.kv_heads, [&](auto kernel) {
+    replay::launch(kernel, c, qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, write_kv ? 1 : 0, sp, out);
+  });
+}
+
+void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float eps, const float2* rope, RowMeta meta,
+                     int rows, KvPool kv, int layer, replay::stream_ref s) {
+  const int q_dim = q_heads * kv.head_dim, kv_dim = kv.kv_heads * kv.head_dim;
+  const replay::launch_config c{.grid = dim3(rows, kv.kv_heads), .block = dim3(32), .stream = s, .pdl = true};
+  if (kv.head_dim == 128)
+    replay::launch(kv_write_kernel<128>, c, qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
+  else if (kv.head_dim == 64)
+    replay::launch(kv_write_kernel<64>, c, qkv, q_dim, kv_dim, k_norm, eps, rope, meta, kv, layer);
+  else
+    throw replay::usage_error(fmt::format("qwen::launch_kv_write: head_dim {} (supported: 64, 128)", kv.head_dim));
+}
+
+}  // namespace qwen

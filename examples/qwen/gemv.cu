@@ -1,0 +1,523 @@
+// examples/qwen/gemv.cu: the fused GEMV of decode buckets up to kGemvMaxRows rows.
+//
+// y = W·x for B batch rows, reading every weight once per step. x is staged once per block in
+// shared memory as bf16: copied, or RMS-normalised on the fly from the fp32 residual (the layer's
+// RMSNorm folded into its consumer). Each warp computes whole output rows with 16-byte streaming
+// loads of W, fp32 accumulation and a warp reduction, then the epilogue of the Linear's mode:
+// store, residual add (a red.global.add: no thread waits for the old value), SiLU(gate)·up of the
+// stacked gate/up matrix, or logits + argmax. Weights are loaded before pdl::wait().
+// Two kernels: the ring GEMV for matrices whose per-warp share fits shared memory, the pipelined
+// GEMV elsewhere (plan_gemv). Both multiply in the same order: bit-identical results.
+#include "kernels.cuh"
+#include "device.cuh"
+
+#include <replay/error.hpp>
+#include <replay/launch.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace qwen {
+namespace {
+
+using namespace dev;
+
+/// Stages the GEMV input for B batch rows in shared memory as bf16: x copied as is, or the fp32
+/// residual RMS-normalised with in.norm_w (the layer's RMSNorm fused into the projection). Every
+/// thread of the block takes part; the caller synchronises before reading xs.
+/// The RMSNorm weights a thread of stage_x uses in its first two passes (k = 8 tid + 2048 i for 256
+/// threads), loaded before pdl::wait(): they do not depend on earlier kernels, and loading
+/// them after it put one more round trip to L2 on the critical path.
+template <int WARPS>
+__device__ __forceinline__ void norm_weights_prefetch(const GemvIn& in, int K, uint4 (&g)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int k = threadIdx.x * 8 + i * (WARPS * 32) * 8;
+    g[i] = in.norm_w != nullptr && k < K ? *reinterpret_cast<const uint4*>(in.norm_w + k) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int B, bool NORM, int WARPS, bool PREG = false>
+__device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS][B],
+                                        const uint4 (&gpre)[2] = {}) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if constexpr (NORM) {
+    float ss[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) ss[b] = 0.f;
+    for (int k = tid * 4; k < K; k += (WARPS * 32) * 4) {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
+        ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      ss[b] = warp_sum(ss[b]);
+      if (lane == 0) red[warp][b] = ss[b];
+    }
+    __syncthreads();
+    float rs[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) s += red[w][b];
+      rs[b] = rsqrtf(s / K + in.eps);
+    }
+    for (int k = tid * 8, pass = 0; k < K; k += (WARPS * 32) * 8, ++pass) {
+      float g[8];
+      unpack8(PREG && pass < 2 ? (pass == 0 ? gpre[0] : gpre[1]) : *reinterpret_cast<const uint4*>(in.norm_w + k), g);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
+        const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k + 4);
+        uint4 o;
+        o.x = pack2(a.x * rs[b] * g[0], a.y * rs[b] * g[1]);
+        o.y = pack2(a.z * rs[b] * g[2], a.w * rs[b] * g[3]);
+        o.z = pack2(c.x * rs[b] * g[4], c.y * rs[b] * g[5]);
+        o.w = pack2(c.z * rs[b] * g[6], c.w * rs[b] * g[7]);
+        *reinterpret_cast<uint4*>(xs + std::size_t(b) * K + k) = o;
+      }
+    }
+  } else {
+    for (int k = tid * 8; k < K; k += (WARPS * 32) * 8) {
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        *reinterpret_cast<uint4*>(xs + std::size_t(b) * K + k) =
+            *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
+    }
+  }
+}
+
+/// The GEMV epilogue for one output: `a` = W row · x (for silu_mul the gate row), `up` = the up row.
+/// add_f32 is a reduction (red.global.add): no thread waits for the old value, and with one addend
+/// per element the result is the plain fp32 sum y + a.
+template <gemv_out MODE>
+__device__ __forceinline__ void gemv_store(float* y_f32, bf16* y_bf16, std::size_t o, float a, float up) {
+  if constexpr (MODE == gemv_out::store_f32 || MODE == gemv_out::argmax) {
+    y_f32[o] = a;
+  } else if constexpr (MODE == gemv_out::add_f32) {
+    atomicAdd(y_f32 + o, a);
+  } else {
+    y_bf16[o] = __float2bfloat16(a / (1.f + __expf(-a)) * up);
+  }
+}
+
+constexpr int kGemvWarps = 8;
+constexpr int kGemvThreads = kGemvWarps * 32;
+
+/// One chunk of a warp's row(s): acc[r][b] += w[r][u] · x[b] for the U 16-byte pieces at
+/// k0 + 256 u (k0 includes the lane's 8-element offset); pieces at or past K are skipped.
+template <int B, int R, int U>
+__device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf16* xs, int K, int k0,
+                                               float (&acc)[R][B]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = k0 + u * 256;
+    if (k < K) {
+      float wf[R][8];
+#pragma unroll
+      for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float xf[8];
+        unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
+      }
+    }
+  }
+}
+
+/// A warp's row n is complete: warp sums, lane 0 runs the epilogue of MODE and tracks the argmax,
+/// and acc is cleared for the next row.
+template <int B, int R, gemv_out MODE>
+__device__ __forceinline__ void gemv_finish_row(float (&acc)[R][B], int n, int lane, float* y_f32, bf16* y_bf16,
+                                                int ldy, float (&best_v)[B], int (&best_i)[B]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, acc[0][b], acc[R - 1][b]);
+      if constexpr (MODE == gemv_out::argmax)
+        if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = n;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+}
+
+/// A GEMV warp's state before its first row: accumulators zero, no argmax candidate yet.
+template <int B, int R>
+__device__ __forceinline__ void gemv_warp_init(float (&acc)[R][B], float (&best_v)[B], int (&best_i)[B]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+#pragma unroll
+  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
+}
+
+/// argmax epilogue of a GEMV block: each warp's best (value, row) per batch row, then one atomicMax of
+/// the block's best key per batch row. Every thread of the block calls it.
+template <int B>
+__device__ __forceinline__ void gemv_argmax_block(const float (&best_v)[B], const int (&best_i)[B],
+                                                  unsigned long long (&red_key)[kGemvWarps][B],
+                                                  unsigned long long* keys) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
+  }
+  __syncthreads();
+  if (tid < B) {
+    unsigned long long k = 0;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
+    if (k != 0) atomicMax(keys + tid, k);
+  }
+}
+
+
+// ------------------------------------------------------------------------------------------------
+// Pipelined per-row GEMV
+//
+// Each warp walks (row, 256*U-wide chunk) in a grid-stride loop and keeps two chunks in two register
+// sets, so it always has U 16-byte loads per lane in flight. Chunk 0 (PRE = 1) or chunks 0 and 1
+// (PRE = 2, "deep") are loaded before pdl::wait(): weights do not depend on earlier kernels. PRE = 2
+// keeps both register sets live across the x staging (fewer resident blocks), which pays only for
+// large matrices with long rows at 1-2 batch rows (plan_gemv).
+// ------------------------------------------------------------------------------------------------
+
+template <int B, gemv_out MODE, bool NORM, int U, int PRE>
+__global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16* __restrict__ W, int N, int K,
+                                                                    GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
+                                                                    unsigned long long* keys) {
+  constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
+  constexpr int kChunk = 256 * U;  // weights per row per chunk (a warp's U loads per lane)
+  extern __shared__ uint4 smem_u4[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K]
+  __shared__ float red[kGemvWarps][B];
+  __shared__ unsigned long long red_key[kGemvWarps][B];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int stride = gridDim.x * kGemvWarps;
+
+  using Regs = uint4[R][U];
+  auto load = [&](Regs& w, int row, int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = base + u * 256 + lane * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        w[r][u] = row < N && k < K ? ld_stream(W + (std::size_t(r) * N + row) * K + k) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto advance = [&](int& row, int& base) {
+    base += kChunk;
+    if (base >= K) base = 0, row += stride;
+  };
+
+  float acc[R][B];
+  float best_v[B];
+  int best_i[B];
+  gemv_warp_init<B, R>(acc, best_v, best_i);
+
+  auto compute = [&](const Regs& w, int row, int base) {
+    gemv_fma_chunk<B, R, U>(w, xs, K, base + lane * 8, acc);
+    if (base + kChunk >= K)  // the row is complete (warp-uniform)
+      gemv_finish_row<B, R, MODE>(acc, row, lane, y_f32, y_bf16, ldy, best_v, best_i);
+  };
+
+  Regs wa, wb;
+  int n = blockIdx.x * kGemvWarps + warp, kb = 0;
+  replay::pdl::launch_dependents();
+  load(wa, n, kb);  // weights do not depend on earlier kernels
+  if constexpr (PRE == 1) {
+    replay::pdl::wait();
+    stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+    __syncthreads();
+    int n2 = n, kb2 = kb;
+    advance(n2, kb2);
+    while (n < N) {  // two chunks per trip, so that the register sets never swap (no dynamic indexing)
+      load(wb, n2, kb2);
+      compute(wa, n, kb);
+      n = n2, kb = kb2;
+      advance(n2, kb2);
+      if (n >= N) break;
+      load(wa, n2, kb2);
+      compute(wb, n, kb);
+      n = n2, kb = kb2;
+      advance(n2, kb2);
+    }
+  } else {
+    // Both sets loaded before the wait; (n3, kb3) is the chunk after (n2, kb2), loaded into the set
+    // just computed, so two chunks stay in flight.
+    int n2 = n, kb2 = kb;
+    advance(n2, kb2);
+    load(wb, n2, kb2);
+    int n3 = n2, kb3 = kb2;
+    advance(n3, kb3);
+    replay::pdl::wait();
+    stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+    __syncthreads();
+    auto step = [&]() { n = n2, kb = kb2, n2 = n3, kb2 = kb3, advance(n3, kb3); };
+    while (n < N) {  // two chunks per trip (no dynamic indexing of the register sets)
+      compute(wa, n, kb);
+      load(wa, n3, kb3);
+      step();
+      if (n >= N) break;
+      compute(wb, n, kb);
+      load(wb, n3, kb3);
+      step();
+    }
+  }
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Per-warp shared-memory ring GEMV
+//
+// One block per SM owns a contiguous share of the rows; each warp streams its rows through its own
+// ring of shared-memory slots filled by bulk copies (cp.async.bulk, lane 0, one mbarrier per slot).
+// The bytes in flight cost no registers and a block takes at most kRingSmemBudget of shared memory,
+// so the next kernel's block fits beside it: under PDL it launches while this one runs and fills its
+// ring before pdl::wait(). Where a warp's share fits its ring (small matrices: every layer matrix of
+// the 0.6B shape at batch 1) the whole matrix is on its way into shared memory before the previous
+// kernel ends. A slot holds one 1024-wide piece of a row (of the gate and the up row for silu_mul);
+// lane l multiplies weights k0 + 256u + 8l .. +8 (u < 4) of each piece, the pipelined GEMV's order
+// with U = 4, so the two give bit-identical results.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kRingPiece = 1024;  // weights per row per slot (2 KiB of bf16)
+constexpr int kRingMaxSlots = 8;  // slots per warp at most
+constexpr std::size_t kRingSmemBudget = 100 * 1024;  // dynamic shared memory per block (x + rings)
+
+template <int B, gemv_out MODE, bool NORM>
+__global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
+                                                                 float* y_f32, bf16* y_bf16, int ldy,
+                                                                 unsigned long long* keys, int slots) {
+  constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
+  constexpr int kSlotElems = R * kRingPiece;
+  extern __shared__ uint4 smem_u4[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K] (K % 8 == 0: the rings stay 16-byte aligned)
+  __shared__ unsigned long long bars[kGemvWarps][kRingMaxSlots];
+  __shared__ float red[kGemvWarps][B];
+  __shared__ unsigned long long red_key[kGemvWarps][B];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  bf16* ring = xs + std::size_t(B) * K + std::size_t(warp) * slots * kSlotElems;
+  unsigned long long* bar = bars[warp];
+
+  // This block's rows [rb, re); this warp's rows rb + warp + 8i; P pieces per row; T items.
+  const int rb = static_cast<int>(static_cast<long long>(blockIdx.x) * N / gridDim.x);
+  const int re = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * N / gridDim.x);
+  const int P = (K + kRingPiece - 1) / kRingPiece;
+  const int my_rows = rb + warp < re ? (re - rb - warp + kGemvWarps - 1) / kGemvWarps : 0;
+  const int T = my_rows * P;
+
+  auto issue = [&](int t, int s) {  // lane 0: item t (row, piece) into slot s, one bulk copy per row piece
+    const int n = rb + warp + (t / P) * kGemvWarps, k0 = (t % P) * kRingPiece;
+    const unsigned bytes = static_cast<unsigned>(min(kRingPiece, K - k0)) * sizeof(bf16);
+    const unsigned long long pol = evict_first_policy();
+    mbar_arrive_tx(bar + s, R * bytes);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      bulk_load(ring + std::size_t(s) * kSlotElems + r * kRingPiece, W + (std::size_t(r) * N + n) * K + k0, bytes,
+                bar + s, pol);
+  };
+
+  replay::pdl::launch_dependents();
+  if (lane == 0) {  // weights do not depend on earlier kernels: fill the ring before the wait
+    for (int s = 0; s < slots; ++s) mbar_init(bar + s, 1);
+    mbar_fence_init();
+    for (int t = 0; t < T && t < slots; ++t) issue(t, t);
+  }
+  __syncwarp();
+  uint4 gpre[2];
+  if constexpr (NORM) norm_weights_prefetch<kGemvWarps>(in, K, gpre);
+  replay::pdl::wait();
+  stage_x<B, NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
+  __syncthreads();
+
+  float acc[R][B];
+  float best_v[B];
+  int best_i[B];
+  gemv_warp_init<B, R>(acc, best_v, best_i);
+
+  int s = 0, n = rb + warp, p = 0;
+  unsigned parity = 0;
+  for (int t = 0; t < T; ++t) {
+    mbar_wait(bar + s, parity);
+    const bf16* slot = ring + std::size_t(s) * kSlotElems;
+    const int k0 = p * kRingPiece;
+    uint4 w[R][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int k = u * 256 + lane * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        w[r][u] = k0 + k < K ? *reinterpret_cast<const uint4*>(slot + r * kRingPiece + k) : make_uint4(0, 0, 0, 0);
+    }
+    __syncwarp();  // every lane has read the slot: refill it
+    if (lane == 0 && t + slots < T) {
+      fence_proxy_async();
+      issue(t + slots, s);
+    }
+    gemv_fma_chunk<B, R, 4>(w, xs, K, k0 + lane * 8, acc);
+    if (p == P - 1) {
+      gemv_finish_row<B, R, MODE>(acc, n, lane, y_f32, y_bf16, ldy, best_v, best_i);
+      n += kGemvWarps, p = 0;
+    } else {
+      ++p;
+    }
+    if (++s == slots) s = 0, parity ^= 1u;
+  }
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
+}
+
+constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x in shared memory: B * K bf16 at most
+
+/// Calls f(kernel) with the instance of `Kernel<B, MODE, NORM>` for the runtime (rows, mode): the
+/// one place that maps a shape to a template instance. NORM is on for the projections that read the
+/// residual (QKV, gate/up, lm_head) and off for those that read a bf16 activation (O, down).
+template <template <int, gemv_out, bool> class Pick, class F>
+void with_gemv(int rows, gemv_out mode, F&& f) {
+  auto by_mode = [&](auto b) {
+    constexpr int B = decltype(b)::value;
+    switch (mode) {
+      case gemv_out::store_f32: return f(Pick<B, gemv_out::store_f32, true>::kernel);
+      case gemv_out::silu_mul: return f(Pick<B, gemv_out::silu_mul, true>::kernel);
+      case gemv_out::argmax: return f(Pick<B, gemv_out::argmax, true>::kernel);
+      case gemv_out::add_f32: return f(Pick<B, gemv_out::add_f32, false>::kernel);
+    }
+  };
+  switch (rows) {
+    case 1: return by_mode(std::integral_constant<int, 1>{});
+    case 2: return by_mode(std::integral_constant<int, 2>{});
+    case 4: return by_mode(std::integral_constant<int, 4>{});
+    default: throw replay::usage_error("qwen::gemv: rows must be 1, 2 or 4 (a decode bucket)");
+  }
+}
+template <int B, gemv_out M, bool N>
+struct Ring {
+  static constexpr auto kernel = gemv_ring_kernel<B, M, N>;
+};
+template <int B, gemv_out M, bool N>
+struct Pipelined {
+  static constexpr auto kernel = gemv_pipelined_kernel<B, M, N, 4, 1>;
+};
+template <int B, gemv_out M, bool N>
+struct PipelinedDeep {
+  static constexpr auto kernel = gemv_pipelined_kernel<B, M, N, 4, 2>;
+};
+
+void check_linear(const Linear& op, int rows) {
+  if (op.W == nullptr || op.N < 1 || op.K < 8 || op.K % 8 != 0)
+    throw replay::usage_error("qwen::gemv: needs W, N >= 1 and K a positive multiple of 8");
+  if (reinterpret_cast<std::uintptr_t>(op.W) % 16 != 0)
+    throw replay::usage_error("qwen::gemv: W must be 16-byte aligned");
+  if ((op.in.norm_w != nullptr) != (op.mode != gemv_out::add_f32))
+    throw replay::usage_error("qwen::gemv: residual-add projections read bf16 x; the others the normalised residual");
+  if (std::size_t(rows) * op.K * sizeof(bf16) > kMaxStageBytes)
+    throw replay::usage_error("qwen::gemv: rows * K too large for the shared-memory stage");
+}
+
+}  // namespace
+
+bool gemv_fits(const Linear& op, int rows) {
+  return rows >= 1 && rows <= kGemvMaxRows && (rows & (rows - 1)) == 0 &&
+         std::size_t(rows) * op.K * sizeof(bf16) <= kMaxStageBytes;
+}
+
+GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
+  check_linear(op, rows);
+  const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
+  GemvPlan p;
+  // Ring: one block per SM (at most one per row), slots per warp from the shared memory left after
+  // x; only where every warp's share of the rows fits its ring (streaming larger matrices through
+  // the rings keeps too few bytes in flight per SM).
+  const std::size_t xbytes = std::size_t(rows) * op.K * sizeof(bf16);
+  const std::size_t slot_bytes = std::size_t(kGemvWarps) * R * kRingPiece * sizeof(bf16);
+  const int slots = xbytes >= kRingSmemBudget ? 0 : static_cast<int>((kRingSmemBudget - xbytes) / slot_bytes);
+  const int ns = slots < kRingMaxSlots ? slots : kRingMaxSlots;
+  const int ring_grid = op.N < num_sms ? op.N : num_sms;
+  const int rows_per_block = (op.N + ring_grid - 1) / ring_grid;
+  const int items_per_warp = (rows_per_block + kGemvWarps - 1) / kGemvWarps * ((op.K + kRingPiece - 1) / kRingPiece);
+  if (ns >= 2 && items_per_warp <= ns) {
+    // The rings take the whole budget even where a share needs fewer slots: smaller blocks would let
+    // more later kernels' blocks onto the SM, whose prefetches compete with the critical path.
+    p.kind = GemvPlan::kernel::ring;
+    p.grid = ring_grid;
+    p.shared_bytes = xbytes + ns * slot_bytes;
+    p.slots = ns;
+    return p;
+  }
+  // Pipelined: both register sets loaded before the wait for 1-2 batch rows, rows of three chunks
+  // or more and a matrix of 16 MiB or more (where the round trip it hides costs more than the
+  // resident block it loses).
+  const bool deep = rows <= 2 && (op.K + 1023) / 1024 >= 3 &&
+                    std::size_t(op.N) * R * op.K * sizeof(bf16) >= (16u << 20);
+  p.kind = deep ? GemvPlan::kernel::pipelined_deep : GemvPlan::kernel::pipelined;
+  p.shared_bytes = xbytes;
+  int per_sm = 0;
+  auto occupancy = [&](auto kernel) {
+    REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, p.shared_bytes));
+  };
+  if (deep) with_gemv<PipelinedDeep>(rows, op.mode, occupancy);
+  else with_gemv<Pipelined>(rows, op.mode, occupancy);
+  // The grid is capped at what is resident at once, so x is staged once per resident block.
+  const int cap = (per_sm < 1 ? 1 : per_sm) * num_sms;
+  const int want = (op.N + kGemvWarps - 1) / kGemvWarps;
+  p.grid = want < cap ? want : cap;
+  return p;
+}
+
+void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::stream_ref s) {
+  if (plan.grid < 1) throw replay::usage_error("qwen::launch_gemv: no plan (plan_gemv)");
+  const replay::launch_config c{.grid = dim3(plan.grid), .block = dim3(kGemvThreads),
+                                .shared_bytes = plan.shared_bytes, .stream = s, .pdl = true};
+  switch (plan.kind) {
+    case GemvPlan::kernel::ring:
+      with_gemv<Ring>(rows, op.mode, [&](auto k) {
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.slots);
+      });
+      break;
+    case GemvPlan::kernel::pipelined:
+      with_gemv<Pipelined>(rows, op.mode, [&](auto k) {
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
+      });
+      break;
+    case GemvPlan::kernel::pipelined_deep:
+      with_gemv<PipelinedDeep>(rows, op.mode, [&](auto k) {
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
+      });
+      break;
+  }
+}
+
+void init_gemv_attributes() {
+  // Every kernel of the step asks for the most shared memory (one L1/shared split): an SM runs
+  // blocks of kernels with one configuration at a time, so differing splits would not overlap
+  // under PDL.
+  auto attrs = [](auto kernel) {
+    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxStageBytes)));
+    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  };
+  for (int rows : {1, 2, 4})
+    for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
+      with_gemv<Ring>(rows, m, attrs);
+      with_gemv<Pipelined>(rows, m, attrs);
+      with_gemv<PipelinedDeep>(rows, m, attrs);
+    }
+}
+
+}  // namespace qwen

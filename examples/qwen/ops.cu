@@ -1,0 +1,211 @@
+// examples/qwen/ops.cu: the small kernels: random initialisation, the RoPE table, the embedding
+// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the
+// streaming-read kernels the benchmark's floors are measured with.
+#include "kernels.cuh"
+#include "device.cuh"
+
+#include <replay/error.hpp>
+#include <replay/launch.hpp>
+
+#include <cstdint>
+
+namespace qwen {
+namespace {
+
+using namespace dev;
+
+__global__ void fill_random_kernel(bf16* p, std::size_t n, std::uint64_t seed, float scale) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::uint64_t h = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = __float2bfloat16((2.f * u - 1.f) * scale);
+  }
+}
+
+__global__ void fill_const_kernel(bf16* p, std::size_t n, float v) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(v);
+}
+
+__global__ void rope_table_kernel(float2* rope, int max_pos, int half, int head_dim, float theta) {
+  const int total = max_pos * half;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const int p = i / half, j = i % half;
+    // As transformers computes it in fp32: inv_freq = 1 / theta^(2j/d); angle = pos * inv_freq.
+    const float inv = 1.0f / powf(theta, static_cast<float>(2 * j) / static_cast<float>(head_dim));
+    const float a = static_cast<float>(p) * inv;
+    float s, c;
+    sincosf(a, &s, &c);
+    rope[i] = make_float2(c, s);
+  }
+}
+
+__global__ void embed_kernel(const bf16* __restrict__ embed, int vocab, int hidden, RowMeta meta, float* residual,
+                             unsigned long long* keys) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const int r = blockIdx.x;
+  int tok = meta.token[r];
+  tok = tok < 0 ? 0 : (tok >= vocab ? vocab - 1 : tok);  // inputs are validated on the host; stay in bounds
+  if (threadIdx.x == 0) keys[r] = 0ull;
+  const bf16* src = embed + std::size_t(tok) * hidden;
+  float* dst = residual + std::size_t(r) * hidden;
+  for (int k = threadIdx.x * 8; k < hidden; k += blockDim.x * 8) {
+    float f[8];
+    unpack8(*reinterpret_cast<const uint4*>(src + k), f);
+    *reinterpret_cast<float4*>(dst + k) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4*>(dst + k + 4) = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
+/// launch_read_link: the read probe's loop, with its first loads issued before the PDL wait.
+__global__ void __launch_bounds__(256) read_link_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
+  replay::pdl::launch_dependents();
+  unsigned acc = 0;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  uint4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) v[u] = i + u * stride < n ? ld_stream(p + i + u * stride) : make_uint4(0, 0, 0, 0);
+  replay::pdl::wait();
+  for (;;) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    i += 4 * stride;
+    if (i >= n) break;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = i + u * stride < n ? ld_stream(p + i + u * stride) : make_uint4(0, 0, 0, 0);
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;  // practically never; keeps the loads alive
+}
+
+/// Read-bandwidth probe: every thread streams 16-byte loads, 4 in flight, over `n` uint4 (grid-stride)
+/// and folds them into one word so that the loads cannot be dropped.
+__global__ void __launch_bounds__(256) read_probe_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
+  unsigned acc = 0;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = ld_stream(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = ld_stream(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;  // practically never; keeps the loads alive
+}
+
+__global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden, float eps, bf16* out) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const int r = blockIdx.x;
+  const float* x = residual + std::size_t(r) * hidden;
+  __shared__ float red[32];
+  float ss = 0.f;
+  for (int k = threadIdx.x; k < hidden; k += blockDim.x) ss += x[k] * x[k];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) s += red[i];
+  const float rs = rsqrtf(s / hidden + eps);
+  for (int k = threadIdx.x; k < hidden; k += blockDim.x)
+    out[std::size_t(r) * hidden + k] = __float2bfloat16(x[k] * rs * __bfloat162float(w[k]));
+}
+
+__global__ void silu_mul_kernel(const float* gu, int N, int rows, bf16* act) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const std::size_t total = std::size_t(rows) * N;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::size_t r = i / N, n = i % N;
+    const float g = gu[r * 2 * N + n], u = gu[r * 2 * N + N + n];
+    act[i] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+__global__ void argmax_kernel(const float* logits, int V, unsigned long long* keys) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const int r = blockIdx.x;
+  const float* x = logits + std::size_t(r) * V;
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const unsigned long long k = argmax_key(x[i], i);
+    best = k > best ? k : best;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+    best = other > best ? other : best;
+  }
+  __shared__ unsigned long long red[32];
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < int(blockDim.x >> 5); ++i) best = red[i] > best ? red[i] : best;
+    keys[r] = best;
+  }
+}
+int fill_grid(std::size_t n) {
+  const std::size_t blocks = (n + 255) / 256;
+  return static_cast<int>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
+}
+
+}  // namespace
+
+void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s) {
+  replay::launch(fill_random_kernel, {.grid = dim3(fill_grid(n)), .block = dim3(256), .stream = s}, p, n, seed, scale);
+}
+
+void launch_fill_const(bf16* p, std::size_t n, float value, replay::stream_ref s) {
+  replay::launch(fill_const_kernel, {.grid = dim3(fill_grid(n)), .block = dim3(256), .stream = s}, p, n, value);
+}
+
+void launch_rope_table(float2* rope, int max_pos, int head_dim, double theta, replay::stream_ref s) {
+  const int half = head_dim / 2;
+  replay::launch(rope_table_kernel, {.grid = dim3(fill_grid(std::size_t(max_pos) * half)), .block = dim3(256), .stream = s},
+                 rope, max_pos, half, head_dim, static_cast<float>(theta));
+}
+
+void launch_embed(const bf16* embed, int vocab, int hidden, RowMeta meta, int rows, float* residual,
+                  unsigned long long* keys, replay::stream_ref s) {
+  if (hidden % 8 != 0) throw replay::usage_error("qwen::launch_embed: hidden must be a multiple of 8");
+  replay::launch(embed_kernel, {.grid = dim3(rows), .block = dim3(128), .stream = s, .pdl = true}, embed, vocab, hidden,
+                 meta, residual, keys);
+}
+
+void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps, int rows, bf16* out,
+                    replay::stream_ref s) {
+  replay::launch(rmsnorm_kernel, {.grid = dim3(rows), .block = dim3(256), .stream = s, .pdl = true}, residual, w, hidden,
+                 eps, out);
+}
+
+void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream_ref s) {
+  replay::launch(silu_mul_kernel, {.grid = dim3(fill_grid(std::size_t(rows) * N)), .block = dim3(256), .stream = s, .pdl = true},
+                 gu, N, rows, act);
+}
+
+void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s) {
+  replay::launch(argmax_kernel, {.grid = dim3(rows), .block = dim3(1024), .stream = s, .pdl = true}, logits, V, keys);
+}
+
+void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s) {
+  replay::launch(read_probe_kernel, {.grid = dim3(num_sms * 8), .block = dim3(256), .stream = s},
+                 static_cast<const uint4*>(p), bytes / 16, sink);
+}
+
+void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s) {
+  if (bytes % 16 != 0) throw replay::usage_error("qwen::launch_read_link: bytes must be a multiple of 16");
+  replay::launch(read_link_kernel, {.grid = dim3(bytes == 0 ? 1 : num_sms * 8), .block = dim3(256), .stream = s, .pdl = true},
+                 static_cast<const uint4*>(p), bytes / 16, sink);
+}
+
+}  // namespace qwen
