@@ -844,9 +844,8 @@ qshard("stowaway_tensor", "does not list", shards=_stowaway)
 case("qwen_control_sharded", "qwen", ["--model", "{d}/m", "--prompt", "1,2,3", "--gen", "2"], OK, "", qwen_sharded())
 
 # ---- qwen command-line flags -------------------------------------------------------------------
-# Flags of the qwen CLI whose checks live in examples/qwen/main.cu and options.hpp. Cases that pass
-# today run; those marked pending=True are registered disabled until the CLI checks them (see
-# docs/hostile-input.md); move a case up when its check lands.
+# Flags of the qwen CLI, checked in examples/qwen/main.cu and options.hpp. A case marked pending=True
+# is registered disabled until the CLI checks it (see docs/hostile-input.md).
 def qflag(name, args, rc, msg, pending=False, preset=True):
     case("qwen_cli_" + name, "qwen", (["--preset", "tiny"] if preset else []) + args, rc, msg)
     if pending:
@@ -854,44 +853,51 @@ def qflag(name, args, rc, msg, pending=False, preset=True):
 
 
 qflag("token_out_of_vocab", ["--prompt", "5,99999", "--gen", "4"], QWEN_INPUT_ERROR, "out of range")
-qflag("token_negative", ["--prompt", "5,-7"], QWEN_INPUT_ERROR, "out of range")
-qflag("token_text", ["--prompt", "1,two,3"], QWEN_INPUT_ERROR, "'two' is not a token id")
-qflag("token_overflow", ["--prompt", "99999999999999999999"], QWEN_INPUT_ERROR, "is not a token id")
-qflag("token_int_overflow", ["--prompt", "4294967296"], QWEN_INPUT_ERROR, "out of range")
-qflag("token_fraction", ["--prompt", "1.5"], QWEN_INPUT_ERROR, "is not a token id")
+qflag("token_negative", ["--prompt", "5,-7"], QWEN_INPUT_ERROR, "--prompt: '-7' at position 1 is not a non-negative integer")
+qflag("token_text", ["--prompt", "1,two,3"], QWEN_INPUT_ERROR, "'two' at position 1 is not a non-negative integer")
+qflag("token_overflow", ["--prompt", "99999999999999999999"], QWEN_INPUT_ERROR, "is out of range")
+qflag("token_int_overflow", ["--prompt", "4294967296"], QWEN_INPUT_ERROR, "is out of range")
+qflag("token_fraction", ["--prompt", "1.5"], QWEN_INPUT_ERROR, "is not a non-negative integer")
+qflag("token_plus", ["--prompt", "+1"], QWEN_INPUT_ERROR, "is not a non-negative integer")
+qflag("token_space", ["--prompt", "1, 2"], QWEN_INPUT_ERROR, "is not a non-negative integer")
+qflag("prompt_empty", ["--prompt", ""], QWEN_INPUT_ERROR, "--prompt: empty prompt")
+qflag("prompt_only_commas", ["--prompt", ",,,"], QWEN_INPUT_ERROR, "--prompt: empty entry at position 0")
+qflag("prompt_trailing_comma", ["--prompt", "1,2,"], QWEN_INPUT_ERROR, "--prompt: empty entry at position 2")
 qflag("too_long", ["--random-prompt", "2000", "--gen", "100"], QWEN_INPUT_ERROR, "exceeds the context")
-qflag("gen_zero", ["--gen", "0"], CLI_VALIDATION, "--gen")
-qflag("gen_negative", ["--gen", "-5"], CLI_VALIDATION, "--gen")
-qflag("gen_huge", ["--gen", "2000000000"], CLI_VALIDATION, "--gen")
-qflag("gen_text", ["--gen", "many"], CLI_VALIDATION, "--gen")
-qflag("batch_zero", ["--batch", "0"], CLI_VALIDATION, "--batch")
-qflag("batch_huge", ["--batch", "100000"], CLI_VALIDATION, "--batch")
-qflag("kv_mem_negative", ["--kv-mem-mb", "-1"], CLI_VALIDATION, "--kv-mem-mb")
-qflag("kv_mem_zero", ["--kv-mem-mb", "0"], CLI_VALIDATION, "--kv-mem-mb")
+qflag("random_prompt_huge", ["--random-prompt", "2000000000"], QWEN_INPUT_ERROR, "--random-prompt 2000000000 must be in")
+qflag("random_prompt_negative", ["--random-prompt", "-5"], QWEN_INPUT_ERROR, "--random-prompt -5 must be in")
+qflag("random_prompt_overflow", ["--random-prompt", "99999999999"], QWEN_INPUT_ERROR, "--random-prompt 99999999999 must be in")
+qflag("gen_zero", ["--gen", "0"], QWEN_INPUT_ERROR, "--gen 0 must be in 1..1048576")
+qflag("gen_negative", ["--gen", "-5"], QWEN_INPUT_ERROR, "--gen -5 must be in")
+qflag("gen_huge", ["--gen", "2000000000"], QWEN_INPUT_ERROR, "--gen 2000000000 must be in")
+qflag("gen_text", ["--gen", "many"], CLI_CONVERSION, "--gen")
+qflag("batch_zero", ["--batch", "0"], QWEN_INPUT_ERROR, "--batch 0 must be in 1..1024")
+qflag("batch_huge", ["--batch", "100000"], QWEN_INPUT_ERROR, "--batch 100000 must be in")
+qflag("kv_mem_negative", ["--kv-mem-mb", "-1"], QWEN_INPUT_ERROR, "--kv-mem-mb -1 must be a positive number")
+qflag("kv_mem_zero", ["--kv-mem-mb", "0"], QWEN_INPUT_ERROR, "--kv-mem-mb 0 must be a positive number")
+qflag("kv_mem_1e30", ["--kv-mem-mb", "1e30"], QWEN_INPUT_ERROR, "--kv-mem-mb 1e+30 must be a positive number")
+qflag("kv_mem_nan", ["--kv-mem-mb", "nan"], QWEN_INPUT_ERROR, "--kv-mem-mb nan must be a positive number")
+qflag("kv_mem_inf", ["--kv-mem-mb", "inf"], QWEN_INPUT_ERROR, "--kv-mem-mb inf must be a positive number")
+qflag("kv_mem_huge", ["--kv-mem-mb", "1e12"], QWEN_INPUT_ERROR, "--kv-mem-mb 1000000000000 must be a positive number")
 qflag("kv_mem_tiny", ["--kv-mem-mb", "0.001"], QWEN_INPUT_ERROR, "at least 2 are needed")
-qflag("kv_mem_text", ["--kv-mem-mb", "lots"], CLI_VALIDATION, "--kv-mem-mb")
-qflag("max_context_one", ["--max-context", "1"], QWEN_INPUT_ERROR, "max context must be at least 2")
-qflag("max_context_negative", ["--max-context", "-5"], QWEN_INPUT_ERROR, "max context must be at least 2")
+qflag("kv_mem_text", ["--kv-mem-mb", "lots"], CLI_CONVERSION, "--kv-mem-mb")
+qflag("max_context_one", ["--max-context", "1"], QWEN_INPUT_ERROR, "--max-context 1 must be in 2..16777216")
+qflag("max_context_negative", ["--max-context", "-5"], QWEN_INPUT_ERROR, "--max-context -5 must be in")
+qflag("max_context_huge", ["--max-context", "2147483647"], QWEN_INPUT_ERROR, "--max-context 2147483647 must be in")
+qflag("max_context_past_model", ["--max-context", "4096"], QWEN_INPUT_ERROR, "exceeds the model's max_position_embeddings")
 qflag("max_context_text", ["--max-context", "x"], CLI_CONVERSION, "--max-context")
+qflag("max_bucket_zero", ["--max-bucket", "0"], QWEN_INPUT_ERROR, "--max-bucket 0 must be in")
+qflag("seed_negative", ["--seed", "-1"], QWEN_INPUT_ERROR, "--seed -1 must be non-negative")
+qflag("seed_text", ["--seed", "abc"], CLI_CONVERSION, "--seed")
 qflag("preset_unknown", ["--preset", "qwen9"], QWEN_INPUT_ERROR, "unknown preset", preset=False)
 qflag("preset_twice", ["--preset", "qwen9"], CLI_ARG_MISMATCH, "--preset")
 qflag("mode_unknown", ["--mode", "fast"], CLI_VALIDATION, "--mode")
 qflag("unknown_flag", ["--frobnicate"], CLI_EXTRAS, "--frobnicate")
-qflag("seed_text", ["--seed", "abc"], CLI_CONVERSION, "--seed")
-# Pending: the CLI accepts or mishandles these today (wrapping casts, NaN through the positivity
-# check, an allocation before the context check, an empty prompt replaced by a random one).
-qflag("kv_mem_1e30", ["--kv-mem-mb", "1e30"], QWEN_INPUT_ERROR, "--kv-mem-mb", pending=True)
-qflag("kv_mem_nan", ["--kv-mem-mb", "nan"], QWEN_INPUT_ERROR, "--kv-mem-mb", pending=True)
-qflag("kv_mem_inf", ["--kv-mem-mb", "inf"], QWEN_INPUT_ERROR, "--kv-mem-mb", pending=True)
-qflag("kv_mem_huge_message", ["--kv-mem-mb", "1e12"], QWEN_INPUT_ERROR, "--kv-mem-mb", pending=True)
-qflag("random_prompt_huge", ["--random-prompt", "2000000000"], QWEN_INPUT_ERROR, "--random-prompt", pending=True)
-qflag("random_prompt_negative", ["--random-prompt", "-5"], QWEN_INPUT_ERROR, "--random-prompt", pending=True)
-qflag("seed_negative", ["--seed", "-1"], CLI_CONVERSION, "--seed", pending=True)
-qflag("prompt_empty", ["--prompt", ""], QWEN_INPUT_ERROR, "--prompt", pending=True)
-qflag("prompt_only_commas", ["--prompt", ",,,"], QWEN_INPUT_ERROR, "--prompt", pending=True)
-qflag("max_context_huge", ["--max-context", "2147483647"], QWEN_INPUT_ERROR, "--max-context", pending=True)
+qflag("bench_steps_negative", ["--bench", "--bench-steps", "-1"], QWEN_INPUT_ERROR, "--bench-steps must be in")
+qflag("long_prompt_negative", ["--bench", "--long-prompt", "-1"], QWEN_INPUT_ERROR, "--long-prompt must be in")
+qflag("bench_batches_bad", ["--bench", "--bench-batches", "1,x"], QWEN_INPUT_ERROR, "is not a non-negative integer")
+# Pending: accepted today; registered disabled until the CLI refuses them.
 qflag("model_empty_path", ["--model", ""], QWEN_INPUT_ERROR, "--model", pending=True)
-qflag("stream_tile_overflow", ["--stream-tile-kb", "3000000"], QWEN_INPUT_ERROR, "--stream-tile-kb", pending=True)
 
 
 # ---------------------------------------------------------------------------------------------
