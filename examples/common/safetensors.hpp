@@ -32,13 +32,18 @@
 //   void write_safetensors(path, std::span<const tensor_to_write>, metadata = {});
 //
 // What open() validates, each with a message naming the file (and tensor):
+//   - every file is a regular file, checked before it is opened (a FIFO, device or directory is
+//     refused without blocking; common/input_file.hpp), and files of a model directory (the index,
+//     model.safetensors, every shard) resolve inside that directory, symbolic links followed;
 //   - the file is at least 8 bytes and the header length fits in the file (else "truncated");
-//   - the header is valid JSON, an object, each entry an object with a known dtype string, a shape
-//     of non-negative integers and data_offsets [begin, end] with begin <= end;
-//   - end - begin == product(shape) * dtype_size (shape vs byte size);
+//   - the header is strict JSON (common/input_file.hpp's parse_json: at most 64 levels deep, no
+//     duplicate keys, no number overflow), an object, each entry an object with exactly a known
+//     dtype string, a shape of non-negative integers and data_offsets [begin, end], begin <= end;
+//   - end - begin == product(shape) * dtype_size, computed with overflow checks;
 //   - every tensor's bytes lie inside the file (else "truncated"), and no two tensors overlap;
-//   - for a sharded directory: the index is valid JSON with a "weight_map", every shard it names
-//     exists and holds the tensors the index puts there, and no tensor appears in two shards.
+//   - for a sharded directory: the index is strict JSON with a "weight_map", every shard it names
+//     is a plain file name that exists and holds exactly the tensors the index puts there, and no
+//     tensor appears in two shards.
 //
 // Guarantees: the mapping is read-only and lives as long as the `safetensors` object (tensor_view
 // pointers into it are valid until then); a moved-from object is empty. Tensor data of a file
@@ -50,6 +55,8 @@
 //   const auto& w = st.expect("lm_head.weight", replay_examples::dtype::F32, {65, 32});
 //   std::span<const float> values = w.as<float>();
 #pragma once
+
+#include "input_file.hpp"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -70,6 +77,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -137,9 +145,10 @@ constexpr bool dtype_matches(dtype t) noexcept {
 }
 
 /// Every problem with a safetensors file or directory: the message names the file and the tensor.
-class safetensors_error : public std::runtime_error {
+class safetensors_error : public file_error {
  public:
-  using std::runtime_error::runtime_error;
+  using file_error::file_error;
+  explicit safetensors_error(const file_error& e) : file_error(e.what()) {}
 };
 
 /// "[65, 32]"
@@ -196,18 +205,17 @@ class mapped_file {
  public:
   mapped_file() = default;
   explicit mapped_file(const std::filesystem::path& path) : path_(path.string()) {
-    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-      throw safetensors_error(fmt::format("{}: cannot open: {}", path_, std::strerror(errno)));
+    int fd = -1;
+    try {
+      fd = open_regular_file(path);
+    } catch (const file_error& e) {
+      throw safetensors_error(e);
+    }
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
       const int e = errno;
       ::close(fd);
       throw safetensors_error(fmt::format("{}: cannot stat: {}", path_, std::strerror(e)));
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd);
-      throw safetensors_error(fmt::format("{}: not a regular file", path_));
     }
     size_ = static_cast<std::size_t>(st.st_size);
     if (size_ != 0) {
@@ -253,38 +261,47 @@ class mapped_file {
 /// Largest header we accept (the Python package refuses more than 100 MB too).
 inline constexpr std::uint64_t max_header_bytes = 100'000'000;
 
-/// Parses and validates one mapped file's header; appends its tensors to `out`.
-inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
+/// a * b, or nullopt when it overflows 64 bits.
+inline std::optional<std::uint64_t> checked_mul(std::uint64_t a, std::uint64_t b) noexcept {
+  std::uint64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
+  return r;
+}
+
+/// Parses and validates the header of a safetensors file held in `bytes` (the whole file); appends
+/// its tensors (pointing into `bytes`) to `out`. `file` names it in messages.
+inline void parse_header(std::span<const std::byte> bytes, const std::string& file, std::vector<tensor_view>& out,
                          std::map<std::string, std::string>& metadata) {
-  const std::string& file = f.path();
-  if (f.size() < 8)
+  if (bytes.size() < 8)
     throw safetensors_error(fmt::format(
         "{}: truncated: the file is {} bytes, a safetensors file starts with an 8-byte header length",
-        file, f.size()));
+        file, bytes.size()));
   std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(f.data()[i]);  // little-endian
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(bytes[static_cast<std::size_t>(i)]);
   if (n > max_header_bytes)
     throw safetensors_error(fmt::format("{}: header length {} is implausible (limit {}); not a "
                                         "safetensors file?",
                                         file, n, max_header_bytes));
-  if (8 + n > f.size())
+  if (n > bytes.size() - 8)
     throw safetensors_error(fmt::format("{}: truncated: the header needs {} bytes but the file has "
                                         "only {} after the length field",
-                                        file, n, f.size() - 8));
-  const char* hdr = reinterpret_cast<const char*>(f.data() + 8);
+                                        file, n, bytes.size() - 8));
+  const char* hdr = reinterpret_cast<const char*>(bytes.data() + 8);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(hdr, hdr + n);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw safetensors_error(fmt::format("{}: the header is not valid JSON: {}", file, e.what()));
+    j = parse_json(std::string_view(hdr, static_cast<std::size_t>(n)), file + ": the header");
+  } catch (const file_error& e) {
+    throw safetensors_error(e);
   }
   if (!j.is_object())
     throw safetensors_error(fmt::format("{}: the header is JSON but not an object", file));
 
-  const std::byte* data_section = f.data() + 8 + n;
-  const std::uint64_t data_size = f.size() - 8 - n;
+  const std::byte* data_section = bytes.data() + 8 + n;
+  const std::uint64_t data_size = bytes.size() - 8 - n;
   const std::size_t first = out.size();
-  for (const auto& [name, entry] : j.items()) {
+  for (const auto& item : j.items()) {
+    const std::string& name = item.key();  // (not a structured binding: the lambda below captures it)
+    const nlohmann::json& entry = item.value();
     if (name == "__metadata__") {
       if (!entry.is_object())
         throw safetensors_error(fmt::format("{}: __metadata__ is not an object", file));
@@ -295,6 +312,7 @@ inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
     const auto bad = [&](std::string_view why) {
       return safetensors_error(fmt::format("{}: tensor {}: {}", file, name, why));
     };
+    if (name.empty()) throw bad("the tensor name is empty");
     if (!entry.is_object()) throw bad("entry is not an object");
     const auto dt = entry.find("dtype");
     const auto sh = entry.find("shape");
@@ -303,6 +321,9 @@ inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
     if (sh == entry.end() || !sh->is_array()) throw bad("missing or non-array \"shape\"");
     if (off == entry.end() || !off->is_array() || off->size() != 2)
       throw bad("\"data_offsets\" must be an array [begin, end]");
+    for (const auto& [key, value] : entry.items())
+      if (key != "dtype" && key != "shape" && key != "data_offsets")
+        throw bad(fmt::format("unknown field \"{}\" (a tensor has dtype, shape and data_offsets)", key));
     const auto type = parse_dtype(dt->get<std::string>());
     if (!type)
       throw bad(fmt::format("unknown dtype \"{}\" (known: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 "
@@ -312,23 +333,29 @@ inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
     t.name = name;
     t.type = *type;
     t.file = file;
-    std::uint64_t numel = 1;
+    // The element count and the byte size are computed with overflow checks: a shape such as
+    // [4294967296, 4294967296] must not wrap to a small number that matches the offsets.
+    std::optional<std::uint64_t> numel = 1;
     for (const auto& d : *sh) {
-      if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
+      if (!d.is_number_integer() || (d.is_number_unsigned() ? d.get<std::uint64_t>() > INT64_MAX
+                                                             : d.get<std::int64_t>() < 0))
         throw bad(fmt::format("shape {} has a dimension that is not a non-negative integer", sh->dump()));
       t.shape.push_back(d.get<std::int64_t>());
-      numel *= static_cast<std::uint64_t>(d.get<std::int64_t>());
+      if (numel) numel = checked_mul(*numel, static_cast<std::uint64_t>(t.shape.back()));
     }
+    const std::optional<std::uint64_t> expected = numel ? checked_mul(*numel, dtype_size(*type)) : std::nullopt;
+    if (!expected || *expected > static_cast<std::uint64_t>(INT64_MAX))
+      throw bad(fmt::format("shape {} of {} has more bytes than 2^63 (the element count or byte size overflows)",
+                            t.shape_string(), to_string(*type)));
     for (const auto& o : *off)
       if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<std::int64_t>() >= 0))
         throw bad(fmt::format("data_offsets {} are not non-negative integers", off->dump()));
     const auto begin = (*off)[0].get<std::uint64_t>();
     const auto end = (*off)[1].get<std::uint64_t>();
     if (begin > end) throw bad(fmt::format("data_offsets [{}, {}]: begin after end", begin, end));
-    const std::uint64_t expected = numel * dtype_size(*type);
-    if (end - begin != expected)
+    if (end - begin != *expected)
       throw bad(fmt::format("shape {} of {} needs {} bytes but data_offsets [{}, {}] hold {}",
-                            t.shape_string(), to_string(*type), expected, begin, end, end - begin));
+                            t.shape_string(), to_string(*type), *expected, begin, end, end - begin));
     if (end > data_size)
       throw bad(fmt::format("truncated: needs bytes [{}, {}) of the data section but the file has "
                             "only {}",
@@ -337,9 +364,10 @@ inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
     t.nbytes = static_cast<std::size_t>(end - begin);
     out.push_back(std::move(t));
   }
-  // No two tensors of this file may share bytes.
+  // No two tensors of this file may share bytes (empty tensors share none).
   std::vector<const tensor_view*> sorted;
-  for (std::size_t i = first; i < out.size(); ++i) sorted.push_back(&out[i]);
+  for (std::size_t i = first; i < out.size(); ++i)
+    if (out[i].nbytes != 0) sorted.push_back(&out[i]);
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->data < b->data; });
   for (std::size_t i = 1; i < sorted.size(); ++i)
     if (sorted[i - 1]->data + sorted[i - 1]->nbytes > sorted[i]->data)
@@ -347,15 +375,14 @@ inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
                                           sorted[i - 1]->name, sorted[i]->name));
 }
 
-inline nlohmann::json read_json_file(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw safetensors_error(fmt::format("{}: cannot open", p.string()));
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw safetensors_error(fmt::format("{}: not valid JSON: {}", p.string(), e.what()));
-  }
+/// parse_header() of a mapped file.
+inline void parse_header(const mapped_file& f, std::vector<tensor_view>& out,
+                         std::map<std::string, std::string>& metadata) {
+  parse_header(std::span<const std::byte>(f.data(), f.size()), f.path(), out, metadata);
 }
+
+/// Largest index file (model.safetensors.index.json) we read.
+inline constexpr std::size_t max_index_bytes = 64u << 20;
 
 }  // namespace detail
 
@@ -373,22 +400,30 @@ class safetensors {
   /// or model.safetensors. Throws safetensors_error with a message naming the file on any problem.
   [[nodiscard]] static safetensors open(const std::filesystem::path& path) {
     namespace fs = std::filesystem;
-    std::error_code ec;
-    if (!fs::exists(path, ec))
-      throw safetensors_error(fmt::format("{}: no such file or directory", path.string()));
+    struct stat info {};
+    if (::stat(path.c_str(), &info) != 0)
+      throw safetensors_error(fmt::format("{}: cannot open: {}", path.string(), detail::describe_errno(errno)));
     safetensors st;
     st.path_ = path;
-    if (!fs::is_directory(path, ec)) {
-      st.add_file(path);
+    if (!S_ISDIR(info.st_mode)) {
+      st.add_file(path);  // refuses FIFOs, devices and sockets
       st.index();
       return st;
     }
-    const fs::path index_path = path / "model.safetensors.index.json";
-    const fs::path single = path / "model.safetensors";
-    if (fs::exists(index_path, ec)) {
-      st.open_sharded(path, index_path);
-    } else if (fs::exists(single, ec)) {
-      st.add_file(single);
+    // Files of a model directory must resolve inside it (file_in_directory).
+    const auto in_dir = [&](std::string_view name) -> std::optional<fs::path> {
+      struct stat s {};
+      if (::lstat((path / std::string(name)).c_str(), &s) != 0) return std::nullopt;
+      try {
+        return file_in_directory(path, name);
+      } catch (const file_error& e) {
+        throw safetensors_error(e);
+      }
+    };
+    if (const auto index_path = in_dir("model.safetensors.index.json")) {
+      st.open_sharded(path, *index_path);
+    } else if (const auto single = in_dir("model.safetensors")) {
+      st.add_file(*single);
       st.index();
     } else {
       throw safetensors_error(fmt::format("{}: directory has neither model.safetensors.index.json "
@@ -462,45 +497,61 @@ class safetensors {
     }
   }
   void open_sharded(const std::filesystem::path& dir, const std::filesystem::path& index_path) {
-    const nlohmann::json j = detail::read_json_file(index_path);
     const std::string ip = index_path.string();
+    nlohmann::json j;
+    try {
+      j = parse_json(read_small_file(index_path, detail::max_index_bytes), ip);
+    } catch (const file_error& e) {
+      throw safetensors_error(e);
+    }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw safetensors_error(fmt::format("{}: no \"weight_map\" object", ip));
     if (j.contains("metadata") && j["metadata"].is_object())
       for (const auto& [k, v] : j["metadata"].items())
         metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
-    std::map<std::string, std::vector<std::string>> shards;  // shard file -> tensors it should hold
+    std::map<std::string, std::set<std::string>> shards;  // shard file -> tensors it should hold
     for (const auto& [name, shard] : j["weight_map"].items()) {
       if (!shard.is_string())
         throw safetensors_error(fmt::format("{}: weight_map entry {} is not a file name", ip, name));
-      const auto file = shard.get<std::string>();
-      if (file.find('/') != std::string::npos || file.find("..") != std::string::npos)
-        throw safetensors_error(fmt::format("{}: shard name {} must be a plain file name", ip, file));
-      shards[file].push_back(name);
+      shards[shard.get<std::string>()].insert(name);
     }
     if (shards.empty()) throw safetensors_error(fmt::format("{}: weight_map is empty", ip));
+    // Every shard name is checked (plain name, exists, inside the directory) before any is opened.
+    std::vector<std::filesystem::path> paths;
     for (const auto& [file, names] : shards) {
-      const auto p = dir / file;
-      std::error_code ec;
-      if (!std::filesystem::exists(p, ec))
-        throw safetensors_error(fmt::format("{}: shard {} (holding {}{}) does not exist", ip,
-                                            p.string(), names.front(),
-                                            names.size() > 1 ? fmt::format(" and {} more", names.size() - 1)
-                                                             : std::string()));
+      const std::string holding =
+          fmt::format("holding {}{}", *names.begin(),
+                      names.size() > 1 ? fmt::format(" and {} more", names.size() - 1) : std::string());
+      struct stat link {};
+      if (file.find('/') == std::string::npos && !file.empty() && file != "." && file != ".." &&
+          ::lstat((dir / file).c_str(), &link) != 0 && errno == ENOENT)
+        throw safetensors_error(fmt::format("{}: shard {} ({}) does not exist", ip, (dir / file).string(), holding));
+      try {
+        paths.push_back(file_in_directory(dir, file));
+        ::close(open_regular_file(paths.back()));
+      } catch (const file_error& e) {
+        throw safetensors_error(fmt::format("{}: shard {} ({}): {}", ip, file, holding, e.what()));
+      }
+    }
+    std::size_t k = 0;
+    for (const auto& [file, names] : shards) {
+      const std::filesystem::path& p = paths[k++];
+      const std::size_t before = tensors_.size();
       add_file(p);
+      // Every tensor of the shard must be one the index places there.
+      for (std::size_t i = before; i < tensors_.size(); ++i)
+        if (!names.contains(tensors_[i].name))
+          throw safetensors_error(fmt::format("{}: holds tensor {}, which the weight_map of {} does not list "
+                                              "in this shard",
+                                              p.string(), tensors_[i].name, ip));
     }
     index();
     for (const auto& [file, names] : shards)
-      for (const auto& name : names) {
-        const tensor_view* t = find(name);
-        if (t == nullptr)
+      for (const auto& name : names)
+        if (find(name) == nullptr)
           throw safetensors_error(fmt::format("missing tensor {}: {} places it in {} but that shard "
                                               "does not hold it",
                                               name, ip, file));
-        if (std::filesystem::path(t->file).filename() != file)
-          throw safetensors_error(fmt::format("{}: tensor {} is listed in {} but found in {}", ip, name,
-                                              file, t->file));
-      }
   }
 
   std::filesystem::path path_;

@@ -20,7 +20,11 @@
 #include <replay/inspect.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -401,6 +405,35 @@ int run_parity_dump(Model& model, const Options& o, const std::vector<std::int32
   return 0;
 }
 
+/// Checks of the options that the parser cannot make alone (run before any GPU work); throws
+/// std::invalid_argument naming the flag.
+void check_options(const Options& o, const CLI::App& app, std::size_t prompt_len) {
+  if (app.count("--prefill-len") != 0) {
+    if (o.parity_dump.empty()) throw std::invalid_argument("--prefill-len is used only with --parity-dump");
+    if (o.prefill_len < 1 || static_cast<std::size_t>(o.prefill_len) > prompt_len)
+      throw std::invalid_argument(fmt::format("--prefill-len {} must be in 1..{} (the prompt's length)",
+                                              o.prefill_len, prompt_len));
+  }
+  if (app.count("--parity-dump") != 0) {
+    if (o.parity_dump.empty()) throw std::invalid_argument("--parity-dump: the path is empty");
+    // The file is written after the GPU work: refuse now what could not be written (or would block).
+    struct stat st {};
+    if (::stat(o.parity_dump.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+      throw std::invalid_argument(fmt::format("--parity-dump {}: exists and is not a regular file", o.parity_dump));
+    const auto parent = std::filesystem::path(o.parity_dump).parent_path();
+    std::error_code ec;
+    if (!parent.empty() && !std::filesystem::is_directory(parent, ec))
+      throw std::invalid_argument(fmt::format("--parity-dump {}: the directory {} does not exist", o.parity_dump,
+                                              parent.string()));
+    if (o.bench) throw std::invalid_argument("--parity-dump and --bench exclude each other");
+  }
+  if (o.bench && app.count("--tokens") != 0)
+    throw std::invalid_argument("--tokens has no effect with --bench (it runs the seed's fixed lengths)");
+  if (!o.bench && app.count("--repeats") != 0) throw std::invalid_argument("--repeats is used only with --bench");
+  if (o.random_init && app.count("--weights") != 0)
+    throw std::invalid_argument("--weights and --random-init exclude each other");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -409,7 +442,19 @@ int main(int argc, char** argv) {
   app.add_option("-p,--prompt", o.prompt, "prompt text (characters of the 65-character vocabulary)")
       ->capture_default_str();
   app.add_option("-n,--tokens", o.tokens, "number of new tokens (prompt + tokens <= 64)")->capture_default_str();
-  app.add_option("-s,--seed", o.seed, "sampling seed (same seed: same tokens, eager or graph)")->capture_default_str();
+  // Seeds are checked as text: digits only, at most 2^64 - 1 (the parser alone would wrap "-1").
+  const CLI::Validator unsigned64(
+      [](std::string& text) -> std::string {
+        std::uint64_t v = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+        if (text.empty() || text[0] == '-' || text[0] == '+' || ec != std::errc() || end != text.data() + text.size())
+          return fmt::format("'{}' is not an integer in 0..18446744073709551615", text);
+        return {};
+      },
+      "UINT64");
+  app.add_option("-s,--seed", o.seed, "sampling seed (same seed: same tokens, eager or graph)")
+      ->check(unsigned64)
+      ->capture_default_str();
   app.add_option("-t,--temperature", o.temperature, "sampling temperature (> 0)")->capture_default_str();
   app.add_flag("--greedy", o.greedy, "argmax decoding instead of sampling");
   app.add_option("-m,--mode", o.mode, "eager, graph, or both (and compare)")
@@ -419,7 +464,7 @@ int main(int argc, char** argv) {
                  "safetensors file or directory with the PyTorch names (default: the shipped " NANOGPT_DEFAULT_WEIGHTS
                  ", or a random init if it is absent)");
   app.add_flag("--random-init", o.random_init, "use deterministic random weights instead of a file");
-  app.add_option("--init-seed", o.init_seed, "seed of --random-init")->capture_default_str();
+  app.add_option("--init-seed", o.init_seed, "seed of --random-init")->check(unsigned64)->capture_default_str();
   app.add_flag("--bench", o.bench, "reproduce the seed's benchmark tables");
   app.add_option("--repeats", o.repeats, "--bench: runs per configuration and mode")->check(CLI::Range(1, 10000))
       ->capture_default_str();
@@ -449,6 +494,8 @@ int main(int argc, char** argv) {
     // ---- host-side checks, before any GPU work --------------------------------------------
     nanogpt::Weights weights;
     std::string note;
+    if (app.count("--weights") != 0 && o.weights.empty())
+      throw std::invalid_argument("--weights: the path is empty");
     if (o.random_init) {
       weights = nanogpt::random_weights(o.init_seed);
     } else if (!o.weights.empty()) {
@@ -469,10 +516,11 @@ int main(int argc, char** argv) {
                                                 show_text(o.stop)));
       }
     }
+    check_options(o, app, prompt.size());
     if (o.parity_dump.empty() && !o.bench) nanogpt::check_lengths(prompt.size(), o.tokens);
     if (!o.parity_dump.empty() && (prompt.empty() || prompt.size() > Config::block_size))
       nanogpt::check_lengths(prompt.size(), 1);
-    if (!o.greedy && !(o.temperature > 0.0f))
+    if (!o.greedy && !(o.temperature > 0.0f && std::isfinite(o.temperature)))
       throw std::invalid_argument(fmt::format("temperature must be a positive number (got {}); use --greedy "
                                               "for argmax decoding",
                                               o.temperature));

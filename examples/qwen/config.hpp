@@ -4,9 +4,12 @@
 // message. Field names follow Hugging Face's Qwen3Config.
 #pragma once
 
+#include <common/input_file.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -74,10 +77,34 @@ struct Config {
     return v * h + num_hidden_layers * layer_params() + h + (tie_word_embeddings ? 0 : v * h);
   }
 
+  /// Largest values validate() accepts (far above any released model; they keep every product of
+  /// two sizes inside 64 bits and every width product inside an int).
+  static constexpr int max_vocab_size = 1 << 24;
+  static constexpr int max_width = 1 << 18;  ///< hidden, intermediate, head_dim, heads x head_dim
+  static constexpr int max_layers = 1024;
+  static constexpr int max_heads = 1024;
+  static constexpr int max_positions = 1 << 24;
+
   /// Throws input_error naming the first inconsistent field. The kernels need: head_dim 64 or 128,
   /// query heads a multiple of kv heads, hidden/intermediate/q widths multiples of 8 (16-byte loads).
   void validate() const {
     auto fail = [&](const std::string& m) { throw input_error("config " + name + ": " + m); };
+    // Upper bounds first, so that the products below (q_dim(), kv_dim(), ...) cannot overflow an int.
+    auto at_most = [&](const char* field, int v, int limit) {
+      if (v > limit) fail(std::string(field) + " " + std::to_string(v) + " exceeds " + std::to_string(limit));
+    };
+    at_most("vocab_size", vocab_size, max_vocab_size);
+    at_most("hidden_size", hidden_size, max_width);
+    at_most("intermediate_size", intermediate_size, max_width);
+    at_most("num_hidden_layers", num_hidden_layers, max_layers);
+    at_most("num_attention_heads", num_attention_heads, max_heads);
+    at_most("num_key_value_heads", num_key_value_heads, max_heads);
+    at_most("head_dim", head_dim, max_width);
+    at_most("max_position_embeddings", max_position_embeddings, max_positions);
+    if (std::int64_t(num_attention_heads) * head_dim > max_width)
+      fail("num_attention_heads x head_dim = " + std::to_string(std::int64_t(num_attention_heads) * head_dim) +
+           " exceeds " + std::to_string(max_width));
+    if (!std::isfinite(rms_norm_eps) || !std::isfinite(rope_theta)) fail("rms_norm_eps and rope_theta must be finite");
     if (vocab_size <= 0) fail("vocab_size must be positive");
     if (hidden_size <= 0 || hidden_size % 8 != 0) fail("hidden_size must be a positive multiple of 8");
     if (intermediate_size <= 0 || intermediate_size % 8 != 0)
@@ -135,9 +162,9 @@ inline std::vector<std::string> preset_names() { return {"qwen3-0.6b", "qwen3-1.
 inline Config config_from_json_text(const std::string& text, const std::string& source) {
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw input_error(source + ": not valid JSON: " + e.what());
+    j = replay_examples::parse_json(text, source);  // depth-limited, no duplicate keys, no overflow
+  } catch (const replay_examples::file_error& e) {
+    throw input_error(e.what());
   }
   if (!j.is_object()) throw input_error(source + ": expected a JSON object");
   Config c;
@@ -148,17 +175,24 @@ inline Config config_from_json_text(const std::string& text, const std::string& 
       return;
     }
     if (!j[key].is_number_integer()) throw input_error(source + ": field '" + key + "' must be an integer");
+    if (j[key].is_number_unsigned() && j[key].get<std::uint64_t>() > std::uint64_t(INT64_MAX))
+      throw input_error(source + ": field '" + key + "' out of range (" + j[key].dump() + ")");
     const auto v = j[key].get<std::int64_t>();
-    if (v <= 0 || v > (1LL << 31) - 1) throw input_error(source + ": field '" + key + "' out of range");
+    if (v <= 0 || v > (1LL << 31) - 1)
+      throw input_error(source + ": field '" + key + "' out of range (" + std::to_string(v) + ")");
     out = static_cast<int>(v);
   };
   auto get_num = [&](const char* key, double& out) {
     if (!j.contains(key) || j[key].is_null()) return;
     if (!j[key].is_number()) throw input_error(source + ": field '" + key + "' must be a number");
     out = j[key].get<double>();
+    if (!std::isfinite(out) || !(out > 0)) throw input_error(source + ": field '" + key + "' must be a positive number");
   };
-  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "qwen3")
-    throw input_error(source + ": model_type is '" + j["model_type"].get<std::string>() + "', expected 'qwen3'");
+  if (j.contains("model_type") && (!j["model_type"].is_string() || j["model_type"] != "qwen3"))
+    throw input_error(source + ": model_type is " +
+                      (j["model_type"].is_string() ? "'" + j["model_type"].get<std::string>() + "'"
+                                                   : j["model_type"].dump()) +
+                      ", expected 'qwen3'");
   get_int("vocab_size", c.vocab_size, true);
   get_int("hidden_size", c.hidden_size, true);
   get_int("intermediate_size", c.intermediate_size, true);
@@ -173,8 +207,11 @@ inline Config config_from_json_text(const std::string& text, const std::string& 
   get_num("rms_norm_eps", c.rms_norm_eps);
   get_num("rope_theta", c.rope_theta);
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object())  // transformers >= 5
-    if (j["rope_parameters"].contains("rope_theta") && j["rope_parameters"]["rope_theta"].is_number())
+    if (j["rope_parameters"].contains("rope_theta")) {
+      if (!j["rope_parameters"]["rope_theta"].is_number())
+        throw input_error(source + ": field 'rope_parameters.rope_theta' must be a number");
       c.rope_theta = j["rope_parameters"]["rope_theta"].get<double>();
+    }
   if (j.contains("rope_scaling") && j["rope_scaling"].is_object() && j["rope_scaling"].contains("rope_type") &&
       j["rope_scaling"]["rope_type"] != "default")
     throw input_error(source + ": rope_scaling other than 'default' is not supported");
@@ -182,19 +219,28 @@ inline Config config_from_json_text(const std::string& text, const std::string& 
     if (!j["tie_word_embeddings"].is_boolean()) throw input_error(source + ": tie_word_embeddings must be a boolean");
     c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
   }
-  if (j.contains("attention_bias") && j["attention_bias"].is_boolean() && j["attention_bias"].get<bool>())
+  if (j.contains("attention_bias") && !j["attention_bias"].is_boolean())
+    throw input_error(source + ": attention_bias must be a boolean");
+  if (j.contains("attention_bias") && j["attention_bias"].get<bool>())
     throw input_error(source + ": attention_bias=true is not supported (Qwen3 has no bias)");
   c.validate();
   return c;
 }
 
-/// Reads `path` (a config.json file, or a directory holding one).
-inline Config config_from_file(std::filesystem::path path) {
-  if (std::filesystem::is_directory(path)) path /= "config.json";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw input_error("cannot open config " + path.string());
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return config_from_json_text(text, path.string());
+/// Largest config.json read (a Hugging Face config is a few KiB).
+inline constexpr std::size_t max_config_bytes = 1 << 20;
+
+/// Reads `path` (a config.json file, or a directory holding one, which it must resolve inside).
+/// Refuses a FIFO, device or directory without blocking (common/input_file.hpp).
+inline Config config_from_file(const std::filesystem::path& path) {
+  try {
+    std::filesystem::path file = path;
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) file = replay_examples::file_in_directory(path, "config.json");
+    return config_from_json_text(replay_examples::read_small_file(file, max_config_bytes), file.string());
+  } catch (const replay_examples::file_error& e) {
+    throw input_error(fmt::format("config: {}", e.what()));
+  }
 }
 
 }  // namespace qwen

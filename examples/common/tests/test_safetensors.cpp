@@ -3,6 +3,9 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -244,7 +247,7 @@ TEST_CASE("directories: single model.safetensors and a sharded index") {
     write_safetensors(d.path / "s2.safetensors", s1);
     std::ofstream(d.path / "model.safetensors.index.json")
         << R"({"weight_map": {"a": "s1.safetensors", "x": "s2.safetensors"}})";
-    CHECK(contains(error_of(d.path), "appears twice"));
+    CHECK(contains(error_of(d.path), "holds tensor a, which the weight_map"));
   }
   SUBCASE("index is not JSON") {
     std::ofstream(d.path / "model.safetensors.index.json") << "{weight_map";
@@ -253,4 +256,104 @@ TEST_CASE("directories: single model.safetensors and a sharded index") {
   SUBCASE("empty directory") {
     CHECK(contains(error_of(d.path), "neither"));
   }
+}
+
+TEST_CASE("hostile headers: nesting, duplicate keys, number overflow, wrapping shapes") {
+  temp_dir d("hostile");
+  const auto x = d.path / "x.safetensors";
+  SUBCASE("metadata nested 100,000 arrays deep is refused without recursion") {
+    write_raw(x, R"({"__metadata__": {"k": )" + std::string(100000, '[') + std::string(100000, ']') + "}}", 0);
+    CHECK(contains(error_of(x), "nested more than 64 levels"));
+  }
+  SUBCASE("64 levels are fine") {
+    write_raw(x, R"({"__metadata__": {"k": )" + std::string(62, '[') + std::string(62, ']') + "}}", 0);
+    CHECK(safetensors::open(x).metadata().at("k").size() == 124);
+  }
+  SUBCASE("duplicate tensor name") {
+    write_raw(x, R"({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                    "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}})", 2);
+    CHECK(contains(error_of(x), "key \"w\" appears twice"));
+  }
+  SUBCASE("number overflow names the file") {
+    write_raw(x, R"({"__metadata__": {"k": 1e309}})", 0);
+    const auto m = error_of(x);
+    CHECK(contains(m, x.string()));
+    CHECK(contains(m, "1e309 is out of range"));
+  }
+  SUBCASE("element count that wraps to zero") {
+    write_raw(x, R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", 0);
+    CHECK(contains(error_of(x), "overflows"));
+  }
+  SUBCASE("byte size that wraps") {
+    write_raw(x, R"({"w": {"dtype": "F64", "shape": [2305843009213693952], "data_offsets": [0, 0]}})", 0);
+    CHECK(contains(error_of(x), "overflows"));
+  }
+  SUBCASE("unknown field in an entry") {
+    write_raw(x, R"({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "scale": 2}})", 1);
+    CHECK(contains(error_of(x), "unknown field \"scale\""));
+  }
+}
+
+TEST_CASE("hostile paths: FIFOs, devices, directories, symbolic links") {
+  temp_dir d("paths");
+  const auto a = iota_f(4, 1.0f);
+  const std::vector<tensor_to_write> ts = {{"a", dtype::F32, {4}, std::as_bytes(std::span<const float>(a))}};
+  SUBCASE("a FIFO is refused without blocking") {
+    REQUIRE(::mkfifo((d.path / "pipe").c_str(), 0600) == 0);
+    CHECK(contains(error_of(d.path / "pipe"), "is a FIFO (named pipe), expected a regular file"));
+  }
+  SUBCASE("a character device") {
+    CHECK(contains(error_of("/dev/null"), "is a character device"));
+  }
+  SUBCASE("model.safetensors that is a directory") {
+    fs::create_directories(d.path / "model.safetensors");
+    CHECK(contains(error_of(d.path), "is a directory"));
+  }
+  SUBCASE("a symbolic link loop") {
+    fs::create_symlink(d.path / "b", d.path / "a");
+    fs::create_symlink(d.path / "a", d.path / "b");
+    CHECK(contains(error_of(d.path / "a"), "symbolic link loop"));
+  }
+  SUBCASE("a shard that links out of the model directory") {
+    fs::create_directories(d.path / "m");
+    write_safetensors(d.path / "outside.safetensors", ts);
+    fs::create_symlink(d.path / "outside.safetensors", d.path / "m" / "s1.safetensors");
+    std::ofstream(d.path / "m" / "model.safetensors.index.json") << R"({"weight_map": {"a": "s1.safetensors"}})";
+    CHECK(contains(error_of(d.path / "m"), "outside the directory"));
+  }
+  SUBCASE("a shard that links inside the model directory is fine") {
+    write_safetensors(d.path / "real.safetensors", ts);
+    fs::create_symlink("real.safetensors", d.path / "s1.safetensors");
+    std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "s1.safetensors"}})";
+    CHECK(safetensors::open(d.path).size() == 1);
+  }
+  SUBCASE("a shard name with a path") {
+    std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "../x/s1.safetensors"}})";
+    CHECK(contains(error_of(d.path), "not a plain file name"));
+  }
+  SUBCASE("a shard tensor the weight_map does not list") {
+    const auto b = iota_f(2, 0.0f);
+    std::vector<tensor_to_write> two = ts;
+    two.push_back({"b", dtype::F32, {2}, std::as_bytes(std::span<const float>(b))});
+    write_safetensors(d.path / "s1.safetensors", two);
+    std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "s1.safetensors"}})";
+    CHECK(contains(error_of(d.path), "holds tensor b, which the weight_map"));
+  }
+}
+
+TEST_CASE("parse_json: strict JSON with limits") {
+  CHECK(parse_json(R"({"a": [1, {"b": 2}]})", "t")["a"][1]["b"] == 2);
+  const auto err = [](std::string_view text) {
+    try {
+      (void)parse_json(text, "src.json");
+    } catch (const file_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("<no error>");
+  };
+  CHECK(contains(err(R"({"a": 1, "a": 2})"), "src.json: not valid JSON: key \"a\" appears twice"));
+  CHECK(contains(err(R"({"a": {"b": 1}, "c": {"b": 2}})"), "<no error>"));  // same key, different objects
+  CHECK(contains(err(std::string(65, '[') + std::string(65, ']')), "nested more than 64 levels"));
+  CHECK(contains(err("[-1e309]"), "out of range"));
+  CHECK(contains(err("{} x"), "src.json: not valid JSON"));
 }

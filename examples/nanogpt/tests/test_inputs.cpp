@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <string>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace fs = std::filesystem;
@@ -150,4 +151,15 @@ TEST_CASE("weights: missing, truncated, wrong shape, wrong dtype, NaN") {
   nan.tensor("ln_f.bias")[0] = std::nanf("");
   save_weights(d.path / "nan.safetensors", nan);
   CHECK(contains(error_of([&] { (void)load_weights(d.path / "nan.safetensors"); }), "NaN"));
+}
+
+TEST_CASE("weights: paths that are not regular files are refused at once") {
+  temp_dir d("paths");
+  REQUIRE(::mkfifo((d.path / "pipe").c_str(), 0600) == 0);  // opening it for reading would block
+  CHECK(contains(error_of([&] { (void)load_weights(d.path / "pipe"); }), "is a FIFO (named pipe)"));
+  CHECK(contains(error_of([] { (void)load_weights("/dev/zero"); }), "is a character device"));
+  fs::create_symlink(d.path / "loop", d.path / "loop");
+  CHECK(contains(error_of([&] { (void)load_weights(d.path / "loop"); }), "symbolic link loop"));
+  fs::create_directories(d.path / "m" / "model.safetensors");
+  CHECK(contains(error_of([&] { (void)load_weights(d.path / "m"); }), "is a directory"));
 }
