@@ -268,6 +268,7 @@ int main(int argc, char** argv) {
     if (bench_steps < 0 || bench_steps > (1 << 20)) throw input_error("--bench-steps must be in 0..1048576");
     if (long_prompt < 0 || long_prompt > (1 << 24)) throw input_error("--long-prompt must be in 0..16777216");
     const auto seed = static_cast<std::uint64_t>(seed_arg);
+    if (app.count("--model") != 0 && model_dir.empty()) throw input_error("--model: the path is empty");
     Config cfg;
     std::optional<replay_examples::safetensors> st;
     if (!model_dir.empty()) {
