@@ -15,6 +15,8 @@
 #   suite     every benchmark program through benchmarks/run.sh (JSON only)
 #   research  builds research/ (-DREPLAY_BUILD_RESEARCH=ON), runs its GPU test and the "graph of
 #             kernels vs persistent kernel" rows
+#   asan      the AddressSanitizer + UndefinedBehaviorSanitizer build (CMake preset "asan"): host
+#             tests, the CLIs' bad-input tests, the hostile-input corpus and the fuzz corpus replays
 # Settings: OUT (logs, default ./out), BUILD_DIR (build-gpu), STEPS (decode steps per Qwen bench, 128),
 # MEMCHECK_TIMEOUT (seconds per sanitizer run, 300). summary.txt in $OUT collects the result lines.
 set -uo pipefail
@@ -112,4 +114,9 @@ if has research; then
         grep -E "TPOT|^\| graph|floor" | sed "s/^/[research $p $k] /" | tee -a "$sum"
     done
   done
+fi
+
+if has asan; then
+  { cmake --preset asan && cmake --build --preset asan -j16 && ctest --preset asan -j16; } >"$out/asan.log" 2>&1
+  say "asan: rc=$?"; grep -E "tests passed|tests failed" "$out/asan.log" | tee -a "$sum"
 fi
