@@ -124,7 +124,7 @@ class cuda_graph_backend {
   [[nodiscard]] int device() const noexcept { return device_; }
 
   /// Throws usage_error unless this backend's device is current (the pool calls it before a miss's
-  /// warm-up; launch() and capture() check as well).
+  /// warm-up; launch() checks as well).
   void require_device(const char* what) const {
     const int current = detail::current_device();
     if (current != device_) [[unlikely]]
@@ -140,7 +140,6 @@ class cuda_graph_backend {
   template <class Step, class Key>
   capture_info capture(Step& step, const Key& key, stream_ref s, const pool_options& options,
                        pool_phase& phase, graph_exec& out, fence_type& fence) {
-    require_device("capture");
     using clock = std::chrono::steady_clock;
     capture_info info;
     const detail::memory_probe before =

@@ -136,7 +136,7 @@ class basic_graph_pool {
       lru_.touch(&sl);
       ++sl.hits;
       ++counters_.hits;
-      count_rows(rows);
+      detail::add_rows(counters_, rows);
       launch(sl, s);
       return step_path::replayed;
     }
@@ -164,18 +164,7 @@ class basic_graph_pool {
   template <class Step, class SizeFn = key_size>
   std::size_t prewarm(std::span<const Key> keys, stream_type s, Step&& step, SizeFn size = {}) {
     require_idle("prewarm");
-    std::vector<const Key*> todo;
-    std::unordered_set<Key, Hash> seen;
-    for (const Key& k : keys) {
-      if (contains(k) || !seen.insert(k).second) continue;
-      todo.push_back(&k);
-    }
-    if (options_.capacity != pool_options::unlimited && lru_.size() + todo.size() > options_.capacity)
-      throw usage_error(fmt::format("replay::graph_pool::prewarm: {} new graphs and {} resident "
-                                    "exceed the capacity of {}", todo.size(), lru_.size(),
-                                    options_.capacity));
-    std::stable_sort(todo.begin(), todo.end(),
-                     [&](const Key* a, const Key* b) { return size(*a) > size(*b); });
+    const std::vector<const Key*> todo = prewarm_order(keys, size);
     for (const Key* k : todo) {
       slot& sl = slot_for(*k);
       last_failure_ = pool_phase::none;
@@ -187,6 +176,23 @@ class basic_graph_pool {
   template <class Step, class SizeFn = key_size>
   std::size_t prewarm(std::initializer_list<Key> keys, stream_type s, Step&& step, SizeFn size = {}) {
     return prewarm(std::span<const Key>(keys.begin(), keys.size()), s, std::forward<Step>(step), size);
+  }
+
+  /// The keys prewarm() would capture, in its order: resident keys and duplicates dropped, largest
+  /// first by `size`. Throws usage_error when they would not fit in the capacity.
+  template <class SizeFn = key_size>
+  [[nodiscard]] std::vector<const Key*> prewarm_order(std::span<const Key> keys, SizeFn size = {}) const {
+    std::vector<const Key*> todo;
+    std::unordered_set<Key, Hash> seen;
+    for (const Key& k : keys)
+      if (!contains(k) && seen.insert(k).second) todo.push_back(&k);
+    if (options_.capacity != pool_options::unlimited && lru_.size() + todo.size() > options_.capacity)
+      throw usage_error(fmt::format("replay::graph_pool::prewarm: {} new graphs and {} resident "
+                                    "exceed the capacity of {}", todo.size(), lru_.size(),
+                                    options_.capacity));
+    std::stable_sort(todo.begin(), todo.end(),
+                     [&](const Key* a, const Key* b) { return size(*a) > size(*b); });
+    return todo;
   }
 
   /// Evicts `key` now (its exec is destroyed once its last replay completes). Returns whether it
@@ -311,11 +317,6 @@ class basic_graph_pool {
     return it->second;
   }
 
-  void count_rows(const batch_rows& rows) noexcept {
-    counters_.real_rows += rows.real;
-    counters_.padded_rows += rows.bucket != 0 ? rows.bucket : rows.real;
-  }
-
   void launch(slot& sl, stream_type s) {
     const nvtx_range range(sl.replay_label);
     try {
@@ -336,7 +337,7 @@ class basic_graph_pool {
     slot& sl = slot_for(key);
     ++sl.misses;
     install(sl, s, step);
-    count_rows(rows);
+    detail::add_rows(counters_, rows);
     launch(sl, s);
     return step_path::captured;
   }

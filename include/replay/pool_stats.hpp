@@ -200,6 +200,12 @@ struct pool_stats : pool_counters {
 
 namespace detail {
 
+/// Adds one step's rows to `c`: `real` rows asked for, `bucket` rows computed (= real when 0).
+constexpr void add_rows(pool_counters& c, const batch_rows& rows) noexcept {
+  c.real_rows += rows.real;
+  c.padded_rows += rows.bucket != 0 ? rows.bucket : rows.real;
+}
+
 /// "1.5 MiB" style byte counts for the human-readable statistics.
 inline std::string format_bytes(std::int64_t bytes) {
   const double b = static_cast<double>(bytes < 0 ? -bytes : bytes);

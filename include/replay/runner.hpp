@@ -41,7 +41,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstdint>
@@ -51,7 +50,6 @@
 #include <functional>
 #include <optional>
 #include <span>
-#include <unordered_set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -270,8 +268,7 @@ class basic_step_runner {
       case step_path::eager_oversize: ++eager_.eager_oversize; break;
       default: throw usage_error("replay::step_runner::eager: the reason must be an eager step_path");
     }
-    eager_.real_rows += rows.real;
-    eager_.padded_rows += rows.bucket != 0 ? rows.bucket : rows.real;
+    detail::add_rows(eager_, rows);
     return why;
   }
 
@@ -327,17 +324,7 @@ class basic_step_runner {
     if (off_ != off_reason::none) return 0;
     std::size_t captured = 0;
     // One at a time so that a failing key can be disabled and the others still captured.
-    std::vector<const Key*> order;
-    std::unordered_set<Key, Hash> seen;
-    for (const Key& k : keys)
-      if (!pool_.contains(k) && seen.insert(k).second) order.push_back(&k);
-    std::stable_sort(order.begin(), order.end(),
-                     [](const Key* a, const Key* b) { return key_size{}(*a) > key_size{}(*b); });
-    if (pool_.capacity() != pool_options::unlimited && pool_.size() + order.size() > pool_.capacity())
-      throw usage_error(fmt::format("replay::step_runner::prewarm: {} new keys and {} resident exceed "
-                                    "the pool capacity of {}", order.size(), pool_.size(),
-                                    pool_.capacity()));
-    for (const Key* k : order) {
+    for (const Key* k : pool_.prewarm_order(keys)) {
       if (off_ != off_reason::none) break;
       if (key_disabled(*k)) continue;
       try {

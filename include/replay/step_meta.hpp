@@ -114,9 +114,7 @@ class step_meta_array {
   void push(stream_ref s) { push(s, count_); }
   void push(stream_ref s, std::size_t count) {
     live("push");
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    REPLAY_CHECK(cudaStreamIsCapturing(s.get(), &status));
-    if (status != cudaStreamCaptureStatusNone)
+    if (s.capture_status() != cudaStreamCaptureStatusNone)
       throw usage_error("replay::step_meta::push: the stream is capturing; a captured push would "
                         "replay a stale staging slot. Call capture_copy() inside the capture and "
                         "write graph_staging() before each launch instead");
@@ -136,9 +134,7 @@ class step_meta_array {
   /// marks when the copy is done. Throws usage_error when `s` is not capturing.
   void capture_copy(stream_ref s) {
     live("capture_copy");
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    REPLAY_CHECK(cudaStreamIsCapturing(s.get(), &status));
-    if (status != cudaStreamCaptureStatusActive)
+    if (s.capture_status() != cudaStreamCaptureStatusActive)
       throw usage_error("replay::step_meta::capture_copy: the stream is not capturing; use push() "
                         "for an eager copy");
     REPLAY_CHECK(cudaMemcpyAsync(device_.data(), staging_.data() + slots * count_, count_ * sizeof(T),
