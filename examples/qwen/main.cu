@@ -311,6 +311,7 @@ int main(int argc, char** argv) {
         throw input_error(fmt::format("--tokens-per-launch decodes one sequence: it needs --batch 1 (got {})", batch));
       if (demo || teacher_force >= 0)
         throw input_error("--tokens-per-launch does not combine with --demo or --teacher-force");
+      if (mode == "eager") throw input_error("--tokens-per-launch is a graph path: use --mode graph or both");
     }
     const auto seed = static_cast<std::uint64_t>(seed_arg);
     if (app.count("--model") != 0 && model_dir.empty()) throw input_error("--model: the path is empty");
