@@ -306,7 +306,8 @@ int main(int argc, char** argv) {
     if (long_prompt < 0 || long_prompt > (1 << 24)) throw input_error("--long-prompt must be in 0..16777216");
     if (app.count("--tokens-per-launch") > 0) {
       if (tokens_per_launch < 1 || tokens_per_launch > kMaxTokensPerLaunch)
-        throw input_error(fmt::format("--tokens-per-launch {} must be in 1..{}", tokens_per_launch, kMaxTokensPerLaunch));
+        throw input_error(
+            fmt::format("--tokens-per-launch {} must be in 1..{}", tokens_per_launch, kMaxTokensPerLaunch));
       if (batch != 1)
         throw input_error(fmt::format("--tokens-per-launch decodes one sequence: it needs --batch 1 (got {})", batch));
       if (demo || teacher_force >= 0)
@@ -469,9 +470,11 @@ int main(int argc, char** argv) {
             fmt::print("  seq {}: {}{}\n", i, fmt::join(r.tokens[i].begin(), r.tokens[i].begin() + std::min<std::size_t>(r.tokens[i].size(), 24), ","),
                        r.tokens[i].size() > 24 ? ",..." : "");
           if (looped)
-            fmt::print("  {} launches, median {:.1f} us per token, prefill {:.1f} ms\n", s.count, s.median, r.prefill_ms);
+            fmt::print("  {} launches, median {:.1f} us per token, prefill {:.1f} ms\n", s.count, s.median,
+                       r.prefill_ms);
           else
-            fmt::print("  {} decode steps, median step {:.1f} us, prefill {:.1f} ms\n", s.count, s.median, r.prefill_ms);
+            fmt::print("  {} decode steps, median step {:.1f} us, prefill {:.1f} ms\n", s.count, s.median,
+                       r.prefill_ms);
         }
         if (looped) out[m]["tokens_per_launch"] = tokens_per_launch;
         out[m]["tokens"] = r.tokens;

@@ -618,7 +618,8 @@ int Engine::decode_loop(int slot, int token, int pos, int k, int stop_token, std
   if (token < 0 || token >= V)
     throw input_error(fmt::format("token id {} is out of range (vocab size {})", token, V));
   if (stop_token < -1 || stop_token >= V)
-    throw input_error(fmt::format("decode_loop: stop token {} is out of range (-1: none; vocab size {})", stop_token, V));
+    throw input_error(
+        fmt::format("decode_loop: stop token {} is out of range (-1: none; vocab size {})", stop_token, V));
   if (pos < 0 || pos + 2 > C)
     throw input_error(fmt::format("decode_loop: position {} leaves no room for a token in the context of {}", pos, C));
   if (pos > m.book->length(slot))

@@ -12,6 +12,8 @@
 // Paged: K/V, addressed through per-sequence block tables.
 // Read through metadata at fixed addresses: each row's token, position and block-table slot, and
 // the block tables; so one captured graph per bucket serves every step.
+// At batch 1, decode_loop() decodes up to K tokens per graph launch: a device loop (WHILE node)
+// whose body is the bucket-1 step plus a kernel that advances row 0's token and position.
 #pragma once
 
 #include "config.hpp"
