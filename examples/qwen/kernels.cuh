@@ -8,6 +8,7 @@
 // launch failures throw replay::cuda_error naming the kernel.
 #pragma once
 
+#include <replay/device_loop.hpp>
 #include <replay/stream.hpp>
 
 #include <cuda_bf16.h>
@@ -182,5 +183,14 @@ void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num
 /// before pdl::wait(), as the GEMVs do. bytes = 0: one block that only waits (a kernel without
 /// weights, such as attention).
 void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s);
+
+// ---- the device loop (ops.cu) ------------------------------------------------------------------------
+
+/// The end of a step in the device loop (Engine::decode_loop): appends row 0's token (from its
+/// argmax key) to `loop`, which stops after its step limit, on its stop token, or once the token
+/// fills the context (`max_context` tokens); and writes the next step's row 0 metadata: that token,
+/// at position pos[0] + 1. One thread; launched with PDL after the lm_head GEMV.
+void launch_loop_advance(const unsigned long long* keys, std::int32_t* token, std::int32_t* pos, int max_context,
+                         replay::token_loop_ref loop, replay::stream_ref s);
 
 }  // namespace qwen

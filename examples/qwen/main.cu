@@ -4,6 +4,7 @@
 //   qwen --preset qwen3-0.6b --random-prompt 16 --gen 64 --mode both
 //   qwen --model /path/to/hf_dir --prompt 1,2,3 --gen 32 --json out.json
 //   qwen --preset qwen3-4b --bench --gen 128
+//   qwen --preset qwen3-0.6b --gen 64 --tokens-per-launch 16   # device loop: 16 tokens per launch
 //   qwen --preset tiny --demo                 # sequences join and finish at different steps
 //   qwen --model dir --prompt ... --teacher-force 8 --dump-logits logits.f32
 // Every flag is checked before any GPU work; bad input exits with code 2 and a message naming the flag.
@@ -148,6 +149,40 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
   return res;
 }
 
+/// Runs one sequence with the device loop: prefill, then one Engine::decode_loop launch per `k`
+/// tokens (fewer for the last). step_us holds each launch's host wall time (push..read back)
+/// divided by the tokens it produced: the time per token.
+RunResult run_looped(Engine& eng, const SequenceRequest& q, int k) {
+  auto& book = eng.kv();
+  RunResult res;
+  res.tokens.assign(1, {});
+  auto& tokens = res.tokens[0];
+  const int slot = book.acquire_slot();
+  book.ensure(slot, static_cast<int>(q.prompt.size()));
+  replay_examples::stopwatch sw;
+  int next = eng.prefill(slot, q.prompt, 0);
+  res.prefill_ms = sw.elapsed_ms();
+  tokens.push_back(next);
+  int pos = static_cast<int>(q.prompt.size());
+  std::vector<int> out(static_cast<std::size_t>(k));
+  while (static_cast<int>(tokens.size()) < q.generate) {
+    const int want = std::min(k, q.generate - static_cast<int>(tokens.size()));
+    sw.restart();
+    const int n = eng.decode_loop(slot, next, pos, want, /*stop_token=*/-1, out);
+    const double us = sw.elapsed_us();
+    res.step_us.push_back(us / n);
+    res.decode_s += us * 1e-6;
+    res.step_rows.push_back(1);
+    res.step_bucket.push_back(1);
+    tokens.insert(tokens.end(), out.begin(), out.begin() + n);
+    next = out[n - 1];
+    pos += n;
+    if (n < want) break;  // the context is full (validate_request rules it out)
+  }
+  book.release(slot);
+  return res;
+}
+
 /// Device-to-device copy bandwidth (bytes read + written per second), measured now.
 double d2d_bandwidth(replay::stream_ref s) {
   const std::size_t bytes = 1ull << 30;
@@ -219,7 +254,7 @@ int main(int argc, char** argv) {
   std::string preset = "qwen3-0.6b", model_dir, prompt_s, mode = "both", json_path, dump_logits;
   long long random_prompt_n = 0, seed_arg = 1234;
   int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 4;
-  int bench_steps = 0, long_prompt = 4096;
+  int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0;
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
   std::string bench_batches_s = "1,8,32,64";
@@ -236,6 +271,8 @@ int main(int argc, char** argv) {
   app.add_option("--bench-steps", bench_steps, "decode steps timed per bench (default: --gen)");
   app.add_option("--bench-batches", bench_batches_s, "batch sizes of the throughput bench");
   app.add_option("--long-prompt", long_prompt, "prompt tokens of the long-context bench (0: skip it)");
+  app.add_option("--tokens-per-launch", tokens_per_launch,
+                 "batch 1, graph mode: decode K tokens per graph launch with a device loop (1..1024)");
   app.add_flag("--demo", demo, "staggered batch demo: sequences join and finish at different steps");
   app.add_option("--json", json_path, "write results as JSON to this file");
   app.add_option("--kv-mem-mb", kv_mb, "KV cache memory budget in MiB");
@@ -267,6 +304,16 @@ int main(int argc, char** argv) {
     if (app.count("--prompt") > 0 && prompt_s.empty()) throw input_error("--prompt: empty prompt");
     if (bench_steps < 0 || bench_steps > (1 << 20)) throw input_error("--bench-steps must be in 0..1048576");
     if (long_prompt < 0 || long_prompt > (1 << 24)) throw input_error("--long-prompt must be in 0..16777216");
+    if (app.count("--tokens-per-launch") > 0) {
+      if (tokens_per_launch < 1 || tokens_per_launch > kMaxTokensPerLaunch)
+        throw input_error(
+            fmt::format("--tokens-per-launch {} must be in 1..{}", tokens_per_launch, kMaxTokensPerLaunch));
+      if (batch != 1)
+        throw input_error(fmt::format("--tokens-per-launch decodes one sequence: it needs --batch 1 (got {})", batch));
+      if (demo || teacher_force >= 0)
+        throw input_error("--tokens-per-launch does not combine with --demo or --teacher-force");
+      if (mode == "eager") throw input_error("--tokens-per-launch is a graph path: use --mode graph or both");
+    }
     const auto seed = static_cast<std::uint64_t>(seed_arg);
     if (app.count("--model") != 0 && model_dir.empty()) throw input_error("--model: the path is empty");
     Config cfg;
@@ -411,16 +458,25 @@ int main(int argc, char** argv) {
     } else if (!bench || demo) {
       std::vector<RunResult> results;
       for (const auto& m : modes) {
-        if (!quiet) fmt::print("[{}] {} sequence(s)\n", m, seqs.size());
-        results.push_back(run_schedule(eng, seqs, join, m == "graph", demo && !quiet));
+        const bool looped = m == "graph" && tokens_per_launch > 0;  // batch 1 (checked above)
+        if (!quiet && looped) fmt::print("[{}] 1 sequence, device loop, {} tokens per launch\n", m, tokens_per_launch);
+        else if (!quiet) fmt::print("[{}] {} sequence(s)\n", m, seqs.size());
+        results.push_back(looped ? run_looped(eng, seqs[0], tokens_per_launch)
+                                 : run_schedule(eng, seqs, join, m == "graph", demo && !quiet));
         const auto& r = results.back();
         const auto s = replay_examples::summarize(r.step_us);
         if (!quiet) {
           for (std::size_t i = 0; i < seqs.size() && i < 4; ++i)
             fmt::print("  seq {}: {}{}\n", i, fmt::join(r.tokens[i].begin(), r.tokens[i].begin() + std::min<std::size_t>(r.tokens[i].size(), 24), ","),
                        r.tokens[i].size() > 24 ? ",..." : "");
-          fmt::print("  {} decode steps, median step {:.1f} us, prefill {:.1f} ms\n", s.count, s.median, r.prefill_ms);
+          if (looped)
+            fmt::print("  {} launches, median {:.1f} us per token, prefill {:.1f} ms\n", s.count, s.median,
+                       r.prefill_ms);
+          else
+            fmt::print("  {} decode steps, median step {:.1f} us, prefill {:.1f} ms\n", s.count, s.median,
+                       r.prefill_ms);
         }
+        if (looped) out[m]["tokens_per_launch"] = tokens_per_launch;
         out[m]["tokens"] = r.tokens;
         out[m]["median_step_us"] = s.median;
         out[m]["decode_steps"] = s.count;
@@ -469,20 +525,48 @@ int main(int argc, char** argv) {
       replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "% of D2D",
                                 "x bytes floor", "x chain floor"});
       double tpot_graph_ms = 0;
+      auto add_tpot_row = [&](const std::string& name, const replay_examples::stats& s) {
+        const double tpot = s.median * 1e-6;
+        t.add_row({name, fmt::format("{:.3f}", s.median / 1e3), fmt::format("{:.3f}", s.p10 / 1e3),
+                   fmt::format("{:.3f}", s.p90 / 1e3), fmt::format("{:.1f}", 1.0 / tpot),
+                   fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw), fmt::format("{:.2f}", tpot / (wbytes / bw)),
+                   chain_ms > 0 ? fmt::format("{:.2f}", s.median / 1e3 / chain_ms) : std::string("-")});
+        out["bench"]["batch1"][name] = {{"tpot_ms", s.median / 1e3}, {"p10_ms", s.p10 / 1e3}, {"p90_ms", s.p90 / 1e3},
+                                        {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
+                                        {"pct_d2d", 100.0 * wbytes / tpot / bw}};
+      };
       for (const auto& m : modes) {
         std::vector<SequenceRequest> one{{prompt, steps + 1}};
         (void)run_schedule(eng, std::vector<SequenceRequest>{{prompt, 4}}, {0}, m == "graph", false);  // warm-up
         const auto r = run_schedule(eng, one, {0}, m == "graph", false);
         const auto s = replay_examples::summarize(r.step_us);
-        const double tpot = s.median * 1e-6;
         if (m == "graph") tpot_graph_ms = s.median / 1e3;
-        t.add_row({m, fmt::format("{:.3f}", s.median / 1e3), fmt::format("{:.3f}", s.p10 / 1e3),
-                   fmt::format("{:.3f}", s.p90 / 1e3), fmt::format("{:.1f}", 1.0 / tpot),
-                   fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw), fmt::format("{:.2f}", tpot / (wbytes / bw)),
-                   chain_ms > 0 ? fmt::format("{:.2f}", s.median / 1e3 / chain_ms) : std::string("-")});
-        out["bench"]["batch1"][m] = {{"tpot_ms", s.median / 1e3}, {"p10_ms", s.p10 / 1e3}, {"p90_ms", s.p90 / 1e3},
-                                     {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
-                                     {"pct_d2d", 100.0 * wbytes / tpot / bw}};
+        add_tpot_row(m, s);
+      }
+      if (tpot_graph_ms > 0) {
+        // The device loop at K = 1 and K = 16 tokens per launch: per token, the host wall time of a
+        // launch (push, launch, read back) over the tokens it produced; `steps` samples each (the same
+        // sequence rerun as often as needed), median.
+        double loop_us[2] = {0, 0};
+        const int ks[2] = {1, 16};
+        for (int i = 0; i < 2; ++i) {
+          (void)run_looped(eng, SequenceRequest{prompt, 4}, ks[i]);  // warm-up (the first captures the loop)
+          std::vector<double> per_token;
+          for (int rep = 0; rep < 64 && per_token.size() < static_cast<std::size_t>(steps); ++rep) {
+            const auto r = run_looped(eng, SequenceRequest{prompt, steps + 1}, ks[i]);
+            per_token.insert(per_token.end(), r.step_us.begin(), r.step_us.end());
+          }
+          const auto s = replay_examples::summarize(per_token);
+          loop_us[i] = s.median;
+          add_tpot_row(fmt::format("loop K={}", ks[i]), s);
+        }
+        // Per token, a launch of K tokens costs about d + h / K: d on the device, h on the host once
+        // per launch (the metadata push, the launch, the wait for the read-back).
+        const double h = (loop_us[0] - loop_us[1]) * 16.0 / 15.0, d = loop_us[0] - h;
+        fmt::print("device loop per token: K=1 {:.1f} us, K=16 {:.1f} us, per-step graph {:.1f} us; as d + h/K: "
+                   "device d = {:.1f} us, host share per launch h = {:.1f} us (K=16 pays {:.1f} us of it per token)\n",
+                   loop_us[0], loop_us[1], tpot_graph_ms * 1e3, d, h, h / 16.0);
+        out["bench"]["loop_fit"] = {{"device_us_per_token", d}, {"host_us_per_launch", h}};
       }
       out["bench"]["d2d_GBps"] = bw / 1e9;
       out["bench"]["read_GBps"] = rbw / 1e9;

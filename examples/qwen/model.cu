@@ -4,6 +4,7 @@
 
 #include <common/device.hpp>
 
+#include <replay/device_loop.hpp>
 #include <replay/runner.hpp>
 
 #include <fmt/format.h>
@@ -427,6 +428,39 @@ struct Engine::Impl {
                        name(p.head), p.split.splits);
     return s;
   }
+
+  // ---------------------------------------------------------------------------------------------
+  // The device loop (decode_loop): one graph whose WHILE node runs the bucket-1 step, then
+  // launch_loop_advance, until the loop stops. One step per run of the body: the next step's
+  // kernels (attention among them) read row 0's metadata before their PDL wait, so they must start
+  // after the kernel that wrote it has ended, which a run boundary guarantees.
+  std::optional<replay::token_loop> loop;  // its buffer of tokens; addresses fixed, held by loop_exec
+  replay::graph_exec loop_exec;           // captured on first use
+
+  void capture_loop() {
+    loop.emplace(static_cast<std::size_t>(kMaxTokensPerLaunch));
+    std::int32_t* token = row_meta.device();           // row 0 of the token row
+    std::int32_t* pos = row_meta.device() + max_rows;  // row 0 of the position row
+    const replay::graph g = replay::capture(stream, [&](replay::stream_ref cs) {
+      loop->capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
+        step(1, body);
+        launch_loop_advance(keys, token, pos, opt.max_context, ref, body);
+      });
+    });
+    loop_exec = g.instantiate({.upload_stream = stream.get()});
+  }
+
+  int run_loop(const DecodeRow& row, int limit, int stop_token, std::span<int> out) {
+    if (!loop_exec) capture_loop();
+    stage_and_push(std::span<const DecodeRow>(&row, 1));  // the first step's row, and the block table
+    loop->arm(stream, limit, stop_token);                 // pushed only when it changes
+    loop_exec.launch(stream);
+    loop->fetch(stream);  // one copy: the count, why the loop stopped, the tokens
+    const replay::loop_result r = loop->wait();
+    if (r.tokens.empty()) throw std::runtime_error("qwen: the device loop produced no token");
+    std::copy(r.tokens.begin(), r.tokens.end(), out.begin());
+    return static_cast<int>(r.tokens.size());
+  }
 };
 
 // -------------------------------------------------------------------------------------------------
@@ -550,5 +584,30 @@ std::size_t Engine::prewarm_graphs() {
 }
 
 void Engine::record_decode_step(int rows, replay::stream_ref s) { impl_->step(rows, s); }
+
+int Engine::decode_loop(int slot, int token, int pos, int k, int stop_token, std::span<int> out) {
+  auto& m = *impl_;
+  const int V = m.cfg.vocab_size, C = m.opt.max_context;
+  if (k < 1 || k > kMaxTokensPerLaunch)
+    throw input_error(fmt::format("decode_loop: {} tokens per launch, expected 1..{}", k, kMaxTokensPerLaunch));
+  if (out.size() < static_cast<std::size_t>(k)) throw replay::usage_error("decode_loop: `out` smaller than k");
+  if (slot < 0 || slot >= m.book->max_seqs() || !m.book->in_use(slot))
+    throw input_error(fmt::format("decode_loop: slot {} is not an active sequence", slot));
+  if (token < 0 || token >= V)
+    throw input_error(fmt::format("token id {} is out of range (vocab size {})", token, V));
+  if (stop_token < -1 || stop_token >= V)
+    throw input_error(
+        fmt::format("decode_loop: stop token {} is out of range (-1: none; vocab size {})", stop_token, V));
+  if (pos < 0 || pos + 2 > C)
+    throw input_error(fmt::format("decode_loop: position {} leaves no room for a token in the context of {}", pos, C));
+  if (pos > m.book->length(slot))
+    throw input_error(fmt::format("decode_loop: position {} of slot {} is past its cached positions (length {})", pos,
+                                  slot, m.book->length(slot)));
+  // The steps' inputs sit at positions [pos, pos + k), the last one at most at C - 2 (its token
+  // fills the context); their K/V blocks are reserved now and the loop stops at their end.
+  m.book->ensure(slot, std::min(pos + k, C - 1));
+  const int limit = std::min(k, m.book->length(slot) - pos);
+  return m.run_loop(DecodeRow{slot, token, pos}, limit, stop_token, out);
+}
 
 }  // namespace qwen

@@ -13,6 +13,8 @@
 // Paged: K/V, addressed through per-sequence block tables.
 // Read through metadata at fixed addresses: each row's token, position and block-table slot, and
 // the block tables; so one captured graph per bucket serves every step.
+// At batch 1, decode_loop() decodes up to K tokens per graph launch: a device loop (WHILE node)
+// whose body is the bucket-1 step plus a kernel that advances row 0's token and position.
 #pragma once
 
 #include "config.hpp"
@@ -37,6 +39,9 @@
 #include <vector>
 
 namespace qwen {
+
+/// Most tokens one decode_loop() launch produces (the device loop's buffer).
+inline constexpr int kMaxTokensPerLaunch = 1024;
 
 /// One row of a batched decode step: which sequence, its input token and that token's position.
 struct DecodeRow {
@@ -106,6 +111,18 @@ class Engine {
   [[nodiscard]] std::size_t weight_bytes() const;   ///< device bytes of all weights
   [[nodiscard]] std::size_t kv_pool_bytes() const;  ///< device bytes of the KV pool
   [[nodiscard]] std::size_t buffer_bytes() const;   ///< the arena (activations, logits, tables, workspace) + metadata
+
+  /// Decodes up to `k` tokens (1..kMaxTokensPerLaunch) of one sequence with one graph launch: a
+  /// device loop (replay::token_loop) whose body is the bucket-1 decode step followed by a kernel
+  /// that appends the step's token and advances row 0's token and position on the device. `token`
+  /// at `pos` is the first step's input (positions [0, pos) are in the cache). Before the launch the
+  /// host reserves the KV blocks of positions [pos, pos + k) (PagedKvBook::ensure, capped at the
+  /// context) and pushes the block table. The loop stops after k steps, after appending
+  /// `stop_token` (-1: none), or when a token fills the context (max_context tokens). Writes the
+  /// tokens to `out` (at least k long) and returns how many; they equal what k calls of decode()
+  /// would give. The loop's graph is captured on first use. Throws input_error for a bad slot,
+  /// token, position or k, and as PagedKvBook::ensure does when the blocks run out.
+  int decode_loop(int slot, int token, int pos, int k, int stop_token, std::span<int> out);
 
   struct Impl;
 

@@ -4,6 +4,7 @@
 #include "kernels.cuh"
 #include "device.cuh"
 
+#include <replay/device_loop.hpp>
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
@@ -162,6 +163,34 @@ void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_
   if (bytes % 16 != 0) throw replay::usage_error("qwen::launch_read_link: bytes must be a multiple of 16");
   replay::launch(read_link_kernel, {.grid = dim3(bytes == 0 ? 1 : num_sms * 8), .block = dim3(256), .stream = s, .pdl = true},
                  static_cast<const uint4*>(p), bytes / 16, sink);
+}
+
+// ---- the device loop's step end (Engine::decode_loop) ------------------------------------------------
+
+namespace {
+
+/// The last kernel of a step in the device loop, one thread: the step's token (row 0's argmax key)
+/// is appended to the loop's buffer, and row 0's metadata becomes the next step's (that token, at
+/// position + 1). The next step's kernels read it once this kernel has completed: each run of the
+/// loop's body holds one step, and a run starts after the previous one has ended.
+__global__ void loop_advance_kernel(const unsigned long long* keys, std::int32_t* token, std::int32_t* pos,
+                                    int max_context, replay::token_loop_ref loop) {
+  replay::pdl::wait();
+  const int t = static_cast<int>(0xFFFFFFFFu - (keys[0] & 0xFFFFFFFFu));  // key_to_token
+  const int p = pos[0];
+  token[0] = t;
+  pos[0] = p + 1;
+  // `t` sits at position p + 1: the sequence holds p + 2 tokens, the context is full at max_context.
+  (void)loop.append(t, p + 2 >= max_context);
+}
+
+}  // namespace
+
+void launch_loop_advance(const unsigned long long* keys, std::int32_t* token, std::int32_t* pos, int max_context,
+                         replay::token_loop_ref loop, replay::stream_ref s) {
+  if (loop.header == nullptr) throw replay::usage_error("qwen::launch_loop_advance: a null token loop");
+  replay::launch(loop_advance_kernel, {.grid = dim3(1), .block = dim3(1), .stream = s, .pdl = true}, keys, token, pos,
+                 max_context, loop);
 }
 
 }  // namespace qwen

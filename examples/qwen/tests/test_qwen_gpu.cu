@@ -1,12 +1,15 @@
 // GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the fused
 // GEMV and the tensor-core GEMM agree, at every bucket size; paged KV keeps sequences apart across buckets; decode agrees with prefill,
 // also with split-KV at long context; every supported head shape (head_dim 64 and 128, 1..8 query
-// heads per kv head) runs; bad input is rejected before any launch.
+// heads per kv head) runs; the device loop (decode_loop) gives the per-step graph path's tokens for
+// any tokens per launch, stops on a stop token inside a launch and at the end of the context; bad
+// input is rejected before any launch.
 #include <doctest/doctest.h>
 
 #include "gpu_test.hpp"
 #include "qwen/model.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -291,5 +294,203 @@ TEST_CASE("bad decode input is rejected before any launch") {
   CHECK_THROWS_AS(e.decode(std::span<const DecodeRow>(&bad_pos, 1), true, next), input_error);
   DecodeRow bad_slot{5, 1, 0};
   CHECK_THROWS_AS(e.decode(std::span<const DecodeRow>(&bad_slot, 1), false, next), input_error);
+  CHECK(e.graph_stats().captures == 0);
+}
+
+// ---- the device loop (Engine::decode_loop) ------------------------------------------------------
+
+namespace {
+
+/// One sequence decoded greedily with the device loop: its tokens (the prefill's first) and the
+/// tokens each launch produced.
+struct LoopRun {
+  std::vector<int> tokens;
+  std::vector<int> per_launch;
+};
+
+constexpr int kPoison = -7;  // never a token id
+
+/// Prefills `prompt`, then launches decode_loop with up to `k` tokens until `total` tokens, the stop
+/// token or the end of the context. `reserve_all`: the whole context's blocks are reserved first, so
+/// the device's context check, not the reservation, ends the last launch.
+LoopRun generate_looped(Engine& e, const std::vector<int>& prompt, int total, int k, int stop = -1,
+                        bool reserve_all = false) {
+  auto& book = e.kv();
+  const int C = e.options().max_context;
+  const int slot = book.acquire_slot();
+  book.ensure(slot, reserve_all ? book.max_tokens_per_seq() : static_cast<int>(prompt.size()));
+  LoopRun r;
+  int next = e.prefill(slot, prompt, 0);
+  r.tokens.push_back(next);
+  int pos = static_cast<int>(prompt.size());
+  std::vector<int> out(static_cast<std::size_t>(k));
+  while (static_cast<int>(r.tokens.size()) < total && next != stop && pos + 2 <= C) {
+    std::fill(out.begin(), out.end(), kPoison);
+    const int want = std::min(k, total - static_cast<int>(r.tokens.size()));
+    const int n = e.decode_loop(slot, next, pos, want, stop, out);
+    REQUIRE(n >= 1);
+    REQUIRE(n <= want);
+    for (int i = 0; i < k; ++i) REQUIRE((i < n) == (out[i] != kPoison));  // exactly n written
+    r.per_launch.push_back(n);
+    r.tokens.insert(r.tokens.end(), out.begin(), out.begin() + n);
+    next = out[n - 1];
+    pos += n;
+  }
+  book.release(slot);
+  return r;
+}
+
+/// The per-step graph path's tokens for `prompt`: the prefill's, then `steps` decode() calls.
+std::vector<int> per_step(Engine& e, const std::vector<int>& prompt, int steps) {
+  return generate(e, {prompt}, steps, true)[0];
+}
+
+/// The tiny preset with an lm_head of its own. With random weights and a tied head, a greedy step
+/// mostly returns its input token (the head is the embedding), so the tiny preset's sequences repeat
+/// one token; an untied head gives varied tokens, which a loop that failed to advance the token
+/// on the device could not reproduce.
+Config tiny_untied() {
+  Config c = preset("tiny");
+  c.name = "tiny_untied";
+  c.tie_word_embeddings = false;
+  c.validate();
+  return c;
+}
+
+std::size_t distinct(const std::vector<int>& v) {
+  std::vector<int> s = v;
+  std::sort(s.begin(), s.end());
+  return static_cast<std::size_t>(std::unique(s.begin(), s.end()) - s.begin());
+}
+
+}  // namespace
+
+TEST_CASE("the device loop gives the per-step graph path's tokens, for any tokens per launch") {
+  for (const Config& cfg : {preset("tiny"), tiny_untied()}) {
+    CAPTURE(cfg.name);
+    Engine e(cfg, small_opts(), nullptr);
+    const int V = e.config().vocab_size;
+    for (int salt : {0, 1}) {
+      CAPTURE(salt);
+      const auto p = prompt_of(7 + 5 * salt, 40 + salt, V);
+      const auto ref = per_step(e, p, 40);  // 41 tokens
+      MESSAGE(cfg.name << ", prompt " << salt << ": " << distinct(ref) << " distinct tokens of 41");
+      if (!cfg.tie_word_embeddings) CHECK(distinct(ref) >= 10);  // the tokens change from step to step
+      for (int k : {1, 3, 16, 64}) {
+        CAPTURE(k);
+        const LoopRun r = generate_looped(e, p, 41, k);
+        CHECK(r.tokens == ref);
+        // Full launches of k tokens, the last one what is left.
+        const int launches = (40 + k - 1) / k;
+        REQUIRE(static_cast<int>(r.per_launch.size()) == launches);
+        for (int i = 0; i + 1 < launches; ++i) CHECK(r.per_launch[i] == k);
+        CHECK(r.per_launch.back() == 40 - (launches - 1) * k);
+      }
+    }
+    CHECK(e.kv().free_blocks() == e.kv().num_blocks() - 1);
+  }
+}
+
+TEST_CASE("the device loop and per-step decode take turns on one sequence") {
+  for (const Config& cfg : {preset("tiny"), tiny_untied()}) {
+    CAPTURE(cfg.name);
+    Engine e(cfg, small_opts(), nullptr);
+    const int V = e.config().vocab_size;
+    const auto p = prompt_of(9, 3, V);
+    const auto ref = per_step(e, p, 30);
+    auto& book = e.kv();
+    const int slot = book.acquire_slot();
+    book.ensure(slot, static_cast<int>(p.size()));
+    std::vector<int> got{e.prefill(slot, p, 0)};
+    int pos = static_cast<int>(p.size());
+    std::vector<int> out(8, kPoison);
+    while (static_cast<int>(got.size()) < 31) {
+      // 5 tokens from the loop, then 3 per-step decodes (which restage the metadata the loop advanced).
+      const int n = e.decode_loop(slot, got.back(), pos, std::min(5, 31 - static_cast<int>(got.size())), -1, out);
+      got.insert(got.end(), out.begin(), out.begin() + n);
+      pos += n;
+      for (int i = 0; i < 3 && static_cast<int>(got.size()) < 31; ++i) {
+        book.ensure(slot, pos + 1);
+        DecodeRow row{slot, got.back(), pos};
+        int next = kPoison;
+        e.decode(std::span<const DecodeRow>(&row, 1), true, std::span<int>(&next, 1));
+        got.push_back(next);
+        ++pos;
+      }
+    }
+    CHECK(got == ref);
+    book.release(slot);
+  }
+}
+
+TEST_CASE("the device loop stops on the stop token inside a launch") {
+  Engine e(tiny_untied(), small_opts(), nullptr);
+  const int V = e.config().vocab_size;
+  int tested[2] = {0, 0};  // k = 4, k = 16
+  for (int salt = 0; salt < 12 && (tested[0] < 2 || tested[1] < 2); ++salt) {
+    CAPTURE(salt);
+    const auto p = prompt_of(6 + salt, 70 + salt, V);
+    const auto ref = per_step(e, p, 40);
+    for (int j = 0; j < 2; ++j) {
+      const int k = j == 0 ? 4 : 16;
+      CAPTURE(k);
+      // The stop token: one that first appears after the first launch, not at a launch's end.
+      int at = -1;
+      for (int i = k + 1; i < 40 && at < 0; ++i)
+        if (i % k != 0 && std::find(ref.begin(), ref.begin() + i, ref[i]) == ref.begin() + i) at = i;
+      if (at < 0) continue;  // the sequence repeats itself too soon
+      CAPTURE(at);
+      const LoopRun r = generate_looped(e, p, 41, k, ref[at]);
+      CHECK(r.tokens == std::vector<int>(ref.begin(), ref.begin() + at + 1));
+      REQUIRE(r.per_launch.size() == static_cast<std::size_t>(at / k + 1));
+      CHECK(r.per_launch.back() == at % k);  // the last launch was cut short by the stop token
+      ++tested[j];
+    }
+  }
+  CHECK(tested[0] >= 2);
+  CHECK(tested[1] >= 2);
+}
+
+TEST_CASE("the device loop stops at the end of the context") {
+  EngineOptions o = small_opts();
+  o.max_context = 96;
+  for (const Config& cfg : {preset("tiny"), tiny_untied()}) {
+    CAPTURE(cfg.name);
+    Engine e(cfg, o, nullptr);
+    const int V = e.config().vocab_size, P = 20;
+    const auto p = prompt_of(P, 9, V);
+    const auto ref = per_step(e, p, o.max_context - P - 1);  // the last token at position max_context - 1
+    REQUIRE(static_cast<int>(ref.size()) == o.max_context - P);
+    for (bool reserve_all : {false, true}) {
+      for (int k : {16, 1024}) {
+        CAPTURE(reserve_all);
+        CAPTURE(k);
+        const LoopRun r = generate_looped(e, p, 1 << 20, k, -1, reserve_all);
+        CHECK(r.tokens == ref);
+        CHECK(r.per_launch.back() == (k == 16 ? (o.max_context - P - 1) % 16 : o.max_context - P - 1));
+      }
+    }
+  }
+}
+
+TEST_CASE("bad device-loop input is rejected before any launch") {
+  Engine e(preset("tiny"), small_opts(), nullptr);
+  const int V = e.config().vocab_size, C = e.options().max_context;
+  auto& book = e.kv();
+  const int s = book.acquire_slot();
+  book.ensure(s, 4);
+  std::vector<int> out(16, kPoison);
+  CHECK_THROWS_AS(e.decode_loop(s, 1, 4, 0, -1, out), input_error);                        // k = 0
+  std::vector<int> big(kMaxTokensPerLaunch + 1);
+  CHECK_THROWS_AS(e.decode_loop(s, 1, 4, kMaxTokensPerLaunch + 1, -1, big), input_error);  // k too large
+  CHECK_THROWS_AS(e.decode_loop(s, 1, 4, 16, -1, std::span<int>(out.data(), 8)), replay::usage_error);
+  CHECK_THROWS_AS(e.decode_loop(s + 1, 1, 4, 4, -1, out), input_error);   // slot not in use
+  CHECK_THROWS_AS(e.decode_loop(s, V, 4, 4, -1, out), input_error);       // token out of range
+  CHECK_THROWS_AS(e.decode_loop(s, -1, 4, 4, -1, out), input_error);
+  CHECK_THROWS_AS(e.decode_loop(s, 1, 4, 4, V, out), input_error);        // stop token out of range
+  CHECK_THROWS_AS(e.decode_loop(s, 1, 5, 4, -1, out), input_error);       // past the cached positions
+  CHECK_THROWS_AS(e.decode_loop(s, 1, C - 1, 4, -1, out), input_error);   // no room in the context
+  CHECK(book.length(s) == 4);                                             // nothing was reserved
+  for (int v : out) CHECK(v == kPoison);
   CHECK(e.graph_stats().captures == 0);
 }
