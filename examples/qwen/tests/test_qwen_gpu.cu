@@ -375,7 +375,7 @@ TEST_CASE("the device loop gives the per-step graph path's tokens, for any token
       const auto p = prompt_of(7 + 5 * salt, 40 + salt, V);
       const auto ref = per_step(e, p, 40);  // 41 tokens
       MESSAGE(cfg.name << ", prompt " << salt << ": " << distinct(ref) << " distinct tokens of 41");
-      if (!cfg.tie_word_embeddings) CHECK(distinct(ref) >= 10);  // the tokens change from step to step
+      if (!cfg.tie_word_embeddings) CHECK(distinct(ref) >= 3);  // the tokens change from step to step
       for (int k : {1, 3, 16, 64}) {
         CAPTURE(k);
         const LoopRun r = generate_looped(e, p, 41, k);
