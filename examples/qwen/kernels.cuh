@@ -45,9 +45,8 @@ struct KvPool {
 
 // ---- GEMV (gemv.cu) --------------------------------------------------------------------------------
 
-/// Rows (batch rows of one step) the fused GEMV handles; larger buckets and prefill use the
-/// tensor-core GEMM (gemm.cu). At 8 rows the GEMV's per-row arithmetic (unpacking x for every weight
-/// chunk) costs more than reading the weights.
+/// Rows (batch rows of one step) the fused GEMV handles; larger buckets use cuBLAS (model.cu). At 8
+/// rows the GEMV's per-row arithmetic (unpacking x for every weight chunk) costs more than cuBLAS.
 inline constexpr int kGemvMaxRows = 4;
 
 /// What the fused GEMV does with y = W·x (per batch row b, output row n).
@@ -98,32 +97,6 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
 /// Sets the GEMV kernels' shared-memory attributes (once per process, before the first launch).
 void init_gemv_attributes();
 
-// ---- tensor-core GEMM (gemm.cu) --------------------------------------------------------------------
-
-/// How the GEMM runs one (Linear, rows): 32 weight rows (silu_mul: 16 outputs) by up to 64 batch
-/// rows per block, the k range split over `splits` blocks where the tiles alone leave SMs idle.
-struct GemmPlan {
-  int tiles = 0;   ///< grid x: blocks along the output rows
-  int splits = 1;  ///< grid y: blocks along k (summed by the last to finish)
-  int groups = 1;  ///< grid z: blocks of 64 batch rows
-};
-/// Split-K scratch, fixed for the engine's lifetime: gemm_scratch_floats / gemm_counters elements;
-/// the counters are zero before the first launch and after each.
-struct GemmScratch {
-  float* partial = nullptr;
-  unsigned* arrived = nullptr;
-};
-/// Plans y = W·x for `rows` batch rows on a GPU of `num_sms` SMs (host arithmetic only).
-GemmPlan plan_gemm(const Linear& op, int rows, int num_sms);
-std::size_t gemm_scratch_floats(int num_sms);
-std::size_t gemm_counters(int num_sms);
-/// y = W·x with the epilogue of op.mode for `rows` rows of x ([rows][K] bf16; op.in is not read:
-/// normalise the residual first, launch_rmsnorm).
-void launch_gemm(const Linear& op, const bf16* x, int rows, const GemmPlan& plan, GemmScratch scratch,
-                 replay::stream_ref s);
-/// Sets the GEMM kernels' shared-memory attributes (once per process).
-void init_gemm_attributes();
-
 // ---- attention (attention.cu) ---------------------------------------------------------------------
 
 /// Split-KV (flash-decoding) for decode attention. A row's context is cut into chunks of at least
@@ -171,6 +144,11 @@ void launch_embed(const bf16* embed, int vocab, int hidden, RowMeta meta, int ro
 /// out[r][:] = bf16(rmsnorm(residual[r][:]) * w)  (HF order: normalise in fp32, then weight).
 void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps, int rows, bf16* out,
                     replay::stream_ref s);
+/// act[r][n] = bf16(silu(gu[r][n]) * gu[r][N + n]).
+void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream_ref s);
+/// keys[r] = argmax of logits[r][0..V) packed as (orderable value << 32 | ~index).
+void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s);
+
 /// Decodes a packed argmax key into the token id.
 inline int key_to_token(unsigned long long key) { return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu)); }
 

@@ -278,7 +278,7 @@ int main(int argc, char** argv) {
   app.add_option("--kv-mem-mb", kv_mb, "KV cache memory budget in MiB");
   app.add_option("--max-context", max_context, "tokens per sequence at most (prompt + generation)");
   app.add_option("--max-bucket", max_bucket, "largest graph bucket (batch rows)");
-  app.add_option("--gemv-max-rows", gemv_max_rows, "largest bucket on the fused GEMV: 0, 1, 2 or 4 (larger: tensor-core GEMM)");
+  app.add_option("--gemv-max-rows", gemv_max_rows, "largest bucket on the fused GEMV: 0, 1, 2 or 4 (larger: cuBLAS)");
   app.add_flag("--no-eager-fallback", no_fallback, "fail instead of running batches above the largest bucket eagerly");
   app.add_option("--teacher-force", teacher_force,
                  "parity mode: prefill the first N prompt tokens, then feed the rest one per step");

@@ -7,6 +7,7 @@
 #include <replay/device_loop.hpp>
 #include <replay/runner.hpp>
 
+#include <cublas_v2.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,6 +21,28 @@ namespace qwen {
 
 namespace {
 
+#define QWEN_CUBLAS(call)                                                                               \
+  do {                                                                                                  \
+    const cublasStatus_t qwen_st_ = (call);                                                             \
+    if (qwen_st_ != CUBLAS_STATUS_SUCCESS)                                                              \
+      throw std::runtime_error(fmt::format("cuBLAS call {} failed: {}", #call, cublasGetStatusString(qwen_st_))); \
+  } while (false)
+
+/// Owns a cuBLAS handle. Move-only; the destructor never throws.
+class CublasHandle {
+ public:
+  CublasHandle() { QWEN_CUBLAS(cublasCreate(&h_)); }
+  ~CublasHandle() {
+    if (h_ != nullptr) (void)cublasDestroy(h_);
+  }
+  CublasHandle(CublasHandle&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+  CublasHandle& operator=(CublasHandle&&) = delete;
+  [[nodiscard]] cublasHandle_t get() const { return h_; }
+
+ private:
+  cublasHandle_t h_ = nullptr;
+};
+
 std::string lname(int i, const char* suffix) { return fmt::format("model.layers.{}.{}", i, suffix); }
 
 /// A per-tensor seed: FNV-1a of the tensor name mixed with the user seed.
@@ -32,6 +55,8 @@ std::uint64_t name_seed(std::uint64_t seed, const std::string& name) {
 std::size_t align_elems(std::size_t n) { return (n + 127) / 128 * 128; }  // 256-byte alignment for bf16
 std::size_t align_bytes(std::size_t n) { return (n + 255) / 256 * 256; }
 
+constexpr std::size_t kCublasWorkspace = 32u << 20;
+
 }  // namespace
 
 struct Engine::Impl {
@@ -40,6 +65,7 @@ struct Engine::Impl {
   int max_rows = 0;  // rows of the activation buffers: max(max_batch, prefill_chunk)
   int num_sms = 0;
   replay::stream stream;
+  CublasHandle cublas;
 
   // Weights: one allocation; Q/K/V stacked into one matrix and gate/up into another.
   replay::device_buffer<bf16> weights;
@@ -57,9 +83,10 @@ struct Engine::Impl {
   // Every other buffer, carved from one arena: fixed addresses for the engine's lifetime.
   replay::static_arena arena;
   float* residual = nullptr;                 // [rows][H] fp32 residual stream
-  bf16* xn = nullptr;                        // [rows][H] normalised input of the tensor-core GEMM
+  bf16* xn = nullptr;                        // [rows][H] normalised input of a GEMM (cuBLAS path)
   float* qkv = nullptr;                      // [rows][q_dim + 2 kv_dim]
   bf16* attn = nullptr;                      // [rows][q_dim]
+  float* gu = nullptr;                       // [rows][2 I] gate | up (cuBLAS path)
   bf16* act = nullptr;                       // [rows][I] SiLU(gate) * up
   float* logits = nullptr;                   // [max_batch][V]
   unsigned long long* keys = nullptr;        // [rows] packed argmax
@@ -67,7 +94,7 @@ struct Engine::Impl {
   std::int32_t* block_table = nullptr;       // [(max_seqs + 1) * width]
   float* attn_partial = nullptr;             // split-KV partial softmax states
   unsigned* attn_arrived = nullptr;          // split-KV arrival counters, zero between launches
-  GemmScratch gemm_scratch;                  // split-K partial tiles and arrival counters
+  std::byte* cublas_ws = nullptr;
   replay::pinned_buffer<std::int32_t> block_table_host;
   replay::pinned_buffer<unsigned long long> keys_host;
   replay::event table_copied;
@@ -82,18 +109,13 @@ struct Engine::Impl {
   std::vector<Layer> layers;
   Linear head;  // final norm + lm_head + argmax
 
-  /// How one projection runs in a bucket: the fused GEMV, or RMSNorm (if it reads the residual) and
-  /// the tensor-core GEMM.
-  struct LinearPlan {
-    std::optional<GemvPlan> gemv;
-    GemmPlan gemm;
-  };
-  /// What a bucket runs: each projection's plan and attention's split.
+  /// What a bucket runs: each projection's GEMV plan (none: cuBLAS) and attention's split.
   struct BucketPlan {
-    LinearPlan qkv, o, gate_up, down, head;
+    std::optional<GemvPlan> qkv, o, gate_up, down, head;
     AttnSplit split;
   };
   std::map<int, BucketPlan> plans;
+  BucketPlan oversize;  // batches above the largest bucket (eager fallback): cuBLAS, no split
 
   std::vector<int> buckets;
   std::optional<replay::step_runner<replay::graph_key>> runner;
@@ -115,7 +137,6 @@ struct Engine::Impl {
                                     "device's free memory of {:.0f} MiB",
                                     opt.kv_budget_bytes / 1048576.0, nb, opt.block_size, free_bytes / 1048576.0));
     init_gemv_attributes();
-    init_gemm_attributes();
     init_attention_attributes();
     stream = replay::stream();
     alloc_weights(st);
@@ -241,11 +262,10 @@ struct Engine::Impl {
     const std::size_t partial = split_rows * cfg.num_key_value_heads * cfg.group_size() * (cfg.head_dim + 2);
     const std::size_t arrived = R * cfg.num_key_value_heads;
     const std::size_t rope_n = std::size_t(opt.max_context) * cfg.head_dim / 2;
-    const std::size_t gemm_partial = gemm_scratch_floats(num_sms), gemm_arrived = gemm_counters(num_sms);
-    const std::size_t sizes[] = {R * H * 4,   R * H * 2,        R * cfg.qkv_dim() * 4, R * cfg.q_dim() * 2,
-                                 R * I * 2,   opt.max_batch * V * 4, R * 8,           rope_n * 8,
-                                 table * 4,   partial * 4,      arrived * 4,           gemm_partial * 4,
-                                 gemm_arrived * 4};
+    const std::size_t sizes[] = {R * H * 4,       R * H * 2,       R * cfg.qkv_dim() * 4, R * cfg.q_dim() * 2,
+                                 R * 2 * I * 4,   R * I * 2,       opt.max_batch * V * 4, R * 8,
+                                 rope_n * 8,      table * 4,       partial * 4,           arrived * 4,
+                                 kCublasWorkspace};
     std::size_t bytes = 0;
     for (std::size_t s : sizes) bytes += align_bytes(s);
     arena = replay::static_arena(bytes);
@@ -253,6 +273,7 @@ struct Engine::Impl {
     xn = arena.allocate<bf16>(R * H).data();
     qkv = arena.allocate<float>(R * cfg.qkv_dim()).data();
     attn = arena.allocate<bf16>(R * cfg.q_dim()).data();
+    gu = arena.allocate<float>(R * 2 * I).data();
     act = arena.allocate<bf16>(R * I).data();
     logits = arena.allocate<float>(std::size_t(opt.max_batch) * V).data();
     keys = arena.allocate<unsigned long long>(R).data();
@@ -260,13 +281,14 @@ struct Engine::Impl {
     block_table = arena.allocate<std::int32_t>(table).data();
     attn_partial = arena.allocate<float>(partial).data();
     attn_arrived = arena.allocate<unsigned>(arrived).data();
-    gemm_scratch = {.partial = arena.allocate<float>(gemm_partial).data(),
-                    .arrived = arena.allocate<unsigned>(gemm_arrived).data()};
+    cublas_ws = arena.allocate<std::byte>(kCublasWorkspace).data();
     arena.freeze();
     REPLAY_CHECK(cudaMemsetAsync(arena.base(), 0, arena.capacity(), stream.get()));
     meta.block_table = block_table;
     block_table_host = replay::pinned_buffer<std::int32_t>(table);
     keys_host = replay::pinned_buffer<unsigned long long>(R);
+    QWEN_CUBLAS(cublasSetWorkspace(cublas.get(), cublas_ws, kCublasWorkspace));
+    QWEN_CUBLAS(cublasSetMathMode(cublas.get(), CUBLAS_DEFAULT_MATH));
   }
 
   /// Points the projections at their activation buffers.
@@ -285,20 +307,16 @@ struct Engine::Impl {
     return attention_splits(rows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, num_sms);
   }
 
-  [[nodiscard]] LinearPlan plan_linear(const Linear& op, int rows) const {
-    LinearPlan lp;
-    if (rows <= opt.gemv_max_rows && gemv_fits(op, rows)) lp.gemv = plan_gemv(op, rows, num_sms);
-    else lp.gemm = plan_gemm(op, rows, num_sms);
-    return lp;
-  }
-
   /// Chooses, once per bucket, each projection's kernel and attention's split.
   void plan_buckets() {
     for (int b : buckets) {
       BucketPlan p;
-      p.qkv = plan_linear(layers[0].qkv, b), p.o = plan_linear(layers[0].o, b);
-      p.gate_up = plan_linear(layers[0].gate_up, b), p.down = plan_linear(layers[0].down, b);
-      p.head = plan_linear(head, b);
+      auto gemv = [&](const Linear& op) -> std::optional<GemvPlan> {
+        if (b > opt.gemv_max_rows || !gemv_fits(op, b)) return std::nullopt;
+        return plan_gemv(op, b, num_sms);
+      };
+      p.qkv = gemv(layers[0].qkv), p.o = gemv(layers[0].o), p.gate_up = gemv(layers[0].gate_up);
+      p.down = gemv(layers[0].down), p.head = gemv(head);
       p.split = {.splits = splits_for(b), .min_chunk = opt.attn_min_chunk, .partial = attn_partial,
                  .arrived = attn_arrived};
       plans.emplace(b, p);
@@ -310,7 +328,7 @@ struct Engine::Impl {
   // from the metadata, so the captured graph of a bucket serves every step.
   void step(int rows, replay::stream_ref s) {
     const auto it = plans.find(rows);
-    const BucketPlan& p = it != plans.end() ? it->second : oversize_plan(rows);
+    const BucketPlan& p = it != plans.end() ? it->second : oversize;
     launch_embed(embed, cfg.vocab_size, cfg.hidden_size, meta, rows, residual, keys, s);
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const Layer& w = layers[l];
@@ -324,47 +342,51 @@ struct Engine::Impl {
     linear(head, rows, p.head, s);  // final RMSNorm folded in; logits and argmax
   }
 
-  /// Batches above the largest bucket (eager fallback): planned per size, kept for the next step.
-  const BucketPlan& oversize_plan(int rows) {
-    BucketPlan p;
-    p.qkv = plan_linear(layers[0].qkv, rows), p.o = plan_linear(layers[0].o, rows);
-    p.gate_up = plan_linear(layers[0].gate_up, rows), p.down = plan_linear(layers[0].down, rows);
-    p.head = plan_linear(head, rows);
-    return plans.emplace(rows, p).first->second;
-  }
-
-  /// One prefill chunk of `rows` positions of one sequence (tensor-core GEMM); K/V written first,
-  /// since the chunk's rows attend to each other.
+  /// One prefill chunk of `rows` positions of one sequence (cuBLAS path); K/V written first, since
+  /// the chunk's rows attend to each other.
   void prefill_chunk(int rows, replay::stream_ref s) {
     launch_embed(embed, cfg.vocab_size, cfg.hidden_size, meta, rows, residual, keys, s);
-    const LinearPlan qkv_p{.gemm = plan_gemm(layers[0].qkv, rows, num_sms)};
-    const LinearPlan o_p{.gemm = plan_gemm(layers[0].o, rows, num_sms)};
-    const LinearPlan gate_up_p{.gemm = plan_gemm(layers[0].gate_up, rows, num_sms)};
-    const LinearPlan down_p{.gemm = plan_gemm(layers[0].down, rows, num_sms)};
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const Layer& w = layers[l];
-      linear(w.qkv, rows, qkv_p, s);
+      linear(w.qkv, rows, std::nullopt, s);
       launch_kv_write(qkv, cfg.num_attention_heads, w.k_norm, eps(), rope, meta, rows, kv, l, s);
       launch_attention(qkv, cfg.num_attention_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
                        /*write_kv=*/false, AttnSplit{}, attn, s);
-      linear(w.o, rows, o_p, s);
-      linear(w.gate_up, rows, gate_up_p, s);
-      linear(w.down, rows, down_p, s);
+      linear(w.o, rows, std::nullopt, s);
+      linear(w.gate_up, rows, std::nullopt, s);
+      linear(w.down, rows, std::nullopt, s);
     }
   }
 
   [[nodiscard]] float eps() const { return static_cast<float>(cfg.rms_norm_eps); }
 
-  /// y = W x with op's epilogue: the fused GEMV where the plan has one, else RMSNorm (if the input is
-  /// the residual) and the tensor-core GEMM.
-  void linear(const Linear& op, int rows, const LinearPlan& plan, replay::stream_ref s) {
-    if (plan.gemv) return launch_gemv(op, rows, *plan.gemv, s);
+  /// y = W x with op's epilogue: the fused GEMV where the bucket has a plan, else RMSNorm (if the
+  /// input is the residual), a cuBLAS GEMM and the epilogue as its own kernel.
+  void linear(const Linear& op, int rows, const std::optional<GemvPlan>& plan, replay::stream_ref s) {
+    if (plan) return launch_gemv(op, rows, *plan, s);
     const bf16* x = op.in.x_bf16;
     if (op.in.norm_w != nullptr) {
       launch_rmsnorm(op.in.x_f32, op.in.norm_w, op.K, op.in.eps, rows, xn, s);
       x = xn;
     }
-    launch_gemm(op, x, rows, plan.gemm, gemm_scratch, s);
+    switch (op.mode) {
+      case gemv_out::store_f32: return gemm(op.W, op.N, op.K, x, rows, op.y_f32, op.ldy, 0.f, s);
+      case gemv_out::add_f32: return gemm(op.W, op.N, op.K, x, rows, op.y_f32, op.ldy, 1.f, s);
+      case gemv_out::silu_mul:
+        gemm(op.W, 2 * op.N, op.K, x, rows, gu, 2 * op.N, 0.f, s);
+        return launch_silu_mul(gu, op.N, rows, op.y_bf16, s);
+      case gemv_out::argmax:
+        gemm(op.W, op.N, op.K, x, rows, op.y_f32, op.ldy, 0.f, s);
+        return launch_argmax(op.y_f32, op.N, rows, op.keys, s);
+    }
+  }
+
+  /// Y[rows][N] = beta Y + X[rows][K] W^T (bf16 in, fp32 out and compute).
+  void gemm(const bf16* W, int N, int K, const bf16* X, int rows, float* Y, int ldy, float beta, replay::stream_ref s) {
+    const float alpha = 1.0f;
+    QWEN_CUBLAS(cublasSetStream(cublas.get(), s.get()));
+    QWEN_CUBLAS(cublasGemmEx(cublas.get(), CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &alpha, W, CUDA_R_16BF, K, X,
+                             CUDA_R_16BF, K, &beta, Y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -413,10 +435,10 @@ struct Engine::Impl {
   }
 
   [[nodiscard]] std::string describe_kernels() const {
-    auto name = [](const LinearPlan& lp) -> std::string {
-      if (!lp.gemv) return lp.gemm.splits > 1 ? fmt::format("gemm/{}", lp.gemm.splits) : "gemm";
-      switch (lp.gemv->kind) {
-        case GemvPlan::kernel::ring: return fmt::format("ring({})", lp.gemv->slots);
+    auto name = [](const std::optional<GemvPlan>& p) -> std::string {
+      if (!p) return "cuBLAS";
+      switch (p->kind) {
+        case GemvPlan::kernel::ring: return fmt::format("ring({})", p->slots);
         case GemvPlan::kernel::pipelined: return "pipelined";
         case GemvPlan::kernel::pipelined_deep: return "pipelined-deep";
       }
@@ -534,7 +556,7 @@ int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<
   // The head on the last prompt row only.
   Linear head = m.head;
   head.in.x_f32 = m.residual + std::size_t(last) * m.cfg.hidden_size;
-  m.linear(head, 1, {.gemm = plan_gemm(head, 1, m.num_sms)}, m.stream);
+  m.linear(head, 1, std::nullopt, m.stream);
   REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys, sizeof(unsigned long long), cudaMemcpyDeviceToHost,
                                m.stream.get()));
   if (!logits.empty())

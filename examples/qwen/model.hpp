@@ -6,8 +6,7 @@
 //                  and read) -> O GEMV + residual -> gate/up GEMV (RMSNorm folded in) + SiLU*up
 //                  -> down GEMV + residual ] -> lm_head GEMV (final RMSNorm folded in) + argmax
 // Buckets of up to EngineOptions::gemv_max_rows rows run the fused GEMV; larger buckets and
-// prefill run the tensor-core GEMM with the same epilogues, after an RMSNorm kernel where the
-// projection reads the residual.
+// prefill run cuBLAS GEMMs with separate RMSNorm / SiLU*up / argmax kernels.
 //
 // Static: weights, the KV pool, and every buffer (one replay::static_arena), allocated once.
 // Paged: K/V, addressed through per-sequence block tables.
@@ -106,7 +105,7 @@ class Engine {
   [[nodiscard]] GraphStats graph_stats() const;
   /// The full statistics of the bucketed graph pool (per key: hits, captures, capture time, memory).
   [[nodiscard]] replay::pool_stats pool_stats() const;
-  /// Which kernels each bucket runs (fused GEMV kernel per matrix, or the tensor-core GEMM and its k splits; attention splits).
+  /// Which kernels each bucket runs (fused GEMV kernel per matrix, or cuBLAS; attention splits).
   [[nodiscard]] std::string describe_kernels() const;
   [[nodiscard]] std::size_t weight_bytes() const;   ///< device bytes of all weights
   [[nodiscard]] std::size_t kv_pool_bytes() const;  ///< device bytes of the KV pool

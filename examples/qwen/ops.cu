@@ -1,6 +1,6 @@
 // examples/qwen/ops.cu: the small kernels: random initialisation, the RoPE table, the embedding
-// lookup, RMSNorm (before the tensor-core GEMM), and the streaming-read kernels the benchmark's
-// floors are measured with.
+// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the
+// streaming-read kernels the benchmark's floors are measured with.
 #include "kernels.cuh"
 #include "device.cuh"
 
@@ -120,6 +120,41 @@ __global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden,
     out[std::size_t(r) * hidden + k] = __float2bfloat16(x[k] * rs * __bfloat162float(w[k]));
 }
 
+__global__ void silu_mul_kernel(const float* gu, int N, int rows, bf16* act) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const std::size_t total = std::size_t(rows) * N;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::size_t r = i / N, n = i % N;
+    const float g = gu[r * 2 * N + n], u = gu[r * 2 * N + N + n];
+    act[i] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+__global__ void argmax_kernel(const float* logits, int V, unsigned long long* keys) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const int r = blockIdx.x;
+  const float* x = logits + std::size_t(r) * V;
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const unsigned long long k = argmax_key(x[i], i);
+    best = k > best ? k : best;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+    best = other > best ? other : best;
+  }
+  __shared__ unsigned long long red[32];
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < int(blockDim.x >> 5); ++i) best = red[i] > best ? red[i] : best;
+    keys[r] = best;
+  }
+}
 int fill_grid(std::size_t n) {
   const std::size_t blocks = (n + 255) / 256;
   return static_cast<int>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
@@ -152,6 +187,15 @@ void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps,
                     replay::stream_ref s) {
   replay::launch(rmsnorm_kernel, {.grid = dim3(rows), .block = dim3(256), .stream = s, .pdl = true}, residual, w, hidden,
                  eps, out);
+}
+
+void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream_ref s) {
+  replay::launch(silu_mul_kernel, {.grid = dim3(fill_grid(std::size_t(rows) * N)), .block = dim3(256), .stream = s, .pdl = true},
+                 gu, N, rows, act);
+}
+
+void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s) {
+  replay::launch(argmax_kernel, {.grid = dim3(rows), .block = dim3(1024), .stream = s, .pdl = true}, logits, V, keys);
 }
 
 void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s) {

@@ -26,7 +26,7 @@ struct EngineOptions {
   int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
-  int gemv_max_rows = 4;                     ///< largest bucket on the fused GEMV (0, 1, 2, 4 = kGemvMaxRows); larger: tensor-core GEMM
+  int gemv_max_rows = 4;                     ///< largest bucket on the fused GEMV (0, 1, 2, 4 = kGemvMaxRows); larger: cuBLAS
   int attn_min_chunk = 128;                  ///< split-KV attention: positions per block at least (multiple of 64)
 
   /// KV blocks the budget buys for this config.

@@ -1,6 +1,6 @@
 // The frozen-value audit on the Qwen decode step: each bucket's step is captured twice, after eager
 // steps at other positions with other tokens, and the two graphs must be identical (buckets on the
-// fused GEMV kernels and on the tensor-core GEMM). `Engine::record_decode_step` issues the launches of
+// fused GEMV kernels and on the cuBLAS GEMMs). `Engine::record_decode_step` issues the launches of
 // one decode step for a bucket, with the metadata the last decode() staged.
 #include <doctest/doctest.h>
 
@@ -57,7 +57,7 @@ replay::audit_report audit_bucket(E& e, int rows) {
 
 void run_audits() {
   Engine e(preset("tiny"), audit_opts(), nullptr);
-  for (const int rows : {1, 4, 8}) {  // 8: the tensor-core GEMM
+  for (const int rows : {1, 4, 8}) {  // 8: cuBLAS GEMMs
     CAPTURE(rows);
     const replay::audit_report r = audit_bucket(e, rows);
     std::printf("qwen bucket %d: %s\n", rows, fmt::format("{}", r).c_str());

@@ -1,5 +1,5 @@
 // GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the fused
-// GEMV and the tensor-core GEMM agree, at every bucket size; paged KV keeps sequences apart across buckets; decode agrees with prefill,
+// GEMV agrees with cuBLAS; paged KV keeps sequences apart across buckets; decode agrees with prefill,
 // also with split-KV at long context; every supported head shape (head_dim 64 and 128, 1..8 query
 // heads per kv head) runs; the device loop (decode_loop) gives the per-step graph path's tokens for
 // any tokens per launch, stops on a stop token inside a launch and at the end of the context; bad
@@ -110,13 +110,13 @@ double rel_l2(const float* got, const float* want, std::size_t n) {
 
 }  // namespace
 
-TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV and tensor-core GEMM buckets)") {
+TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV and cuBLAS buckets)") {
   for (const Config& cfg : shapes()) {
     CAPTURE(cfg.name);
     Engine e(cfg, small_opts(), nullptr);
     MESSAGE(e.describe_kernels());
     const int V = e.config().vocab_size;
-    for (int batch : {1, 3, 6, 11}) {  // buckets 1, 4 (GEMV, a padded row), 8 and 16 (GEMM)
+    for (int batch : {1, 3, 6, 11}) {  // buckets 1, 4 (GEMV, a padded row), 8 and 16 (cuBLAS)
       CAPTURE(batch);
       const auto prompts = prompts_of(batch, 5, 3, 0, V);
       std::vector<float> le, lg;
@@ -133,7 +133,7 @@ TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV a
   }
 }
 
-TEST_CASE("the fused GEMV buckets compute what the tensor-core GEMM computes") {
+TEST_CASE("the fused GEMV buckets compute what the cuBLAS path computes") {
   for (const Config& cfg : shapes()) {
     CAPTURE(cfg.name);
     Engine fused(cfg, small_opts(4), nullptr);
@@ -146,32 +146,8 @@ TEST_CASE("the fused GEMV buckets compute what the tensor-core GEMM computes") {
       (void)generate(fused, prompts, 1, true, &lf);
       (void)generate(gemm, prompts, 1, true, &lc);
       const double r = rel_l2(lf.data(), lc.data(), lf.size());
-      MESSAGE(cfg.name << " batch " << batch << ": fused GEMV vs GEMM relative L2 " << r);
+      MESSAGE(cfg.name << " batch " << batch << ": fused GEMV vs cuBLAS relative L2 " << r);
       CHECK(r < 1e-2);
-    }
-  }
-}
-
-TEST_CASE("a sequence decoded in a GEMM bucket of up to 64 rows matches it decoded alone") {
-  for (const Config& cfg : shapes()) {
-    CAPTURE(cfg.name);
-    EngineOptions o = small_opts();
-    o.max_batch = 64, o.max_bucket = 64, o.kv_budget_bytes = 256ull << 20;
-    Engine e(cfg, o, nullptr);
-    MESSAGE(e.describe_kernels());
-    const int V = cfg.vocab_size;
-    for (int batch : {5, 9, 33, 64}) {  // buckets 8, 16, 64 (split k), 64 (full)
-      CAPTURE(batch);
-      const auto prompts = prompts_of(batch, 3, 1, 11, V);
-      std::vector<float> lb;
-      (void)generate(e, prompts, 1, true, &lb);
-      for (int i : {0, batch / 2, batch - 1}) {
-        std::vector<float> la;
-        (void)generate(e, {prompts[i]}, 1, true, &la);  // bucket 1: the fused GEMV
-        const double r = rel_l2(lb.data() + std::size_t(i) * V, la.data(), std::size_t(V));
-        MESSAGE(cfg.name << " batch " << batch << " row " << i << ": GEMM vs GEMV relative L2 " << r);
-        CHECK(r < 1e-2);
-      }
     }
   }
 }
