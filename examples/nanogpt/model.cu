@@ -97,8 +97,6 @@ static_assert(C::ffn_hidden == kThreads, "fc1 maps one hidden unit to one thread
 static_assert(C::vocab_size <= kThreads && 3 * C::n_embd <= kThreads);
 constexpr int kCacheLayer = C::n_head * C::block_size * C::head_size;  // floats per layer per K/V
 
-/// Which rows a kernel works on: one token (decode, row 0) or the prompt (prefill, one block each).
-enum class Phase { decode, prefill };
 
 // ============================================================================================
 // Device building blocks
@@ -336,70 +334,28 @@ __device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head,
 }
 
 // ============================================================================================
-// Kernels
+// Prefill kernels (eager only): one block per prompt token
 // ============================================================================================
 
-/// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row. Launched
-/// without PDL (Launcher::pdl_first), it starts after the previous step has completed and its wait
-/// returns at once. Launched with PDL (the steps after the first in a run of the device loop's
-/// body), it waits for the previous step's sampler, which wrote the StepMeta it reads, and lets the
-/// step's next kernel start only then: that kernel and the later ones read the StepMeta before
-/// their own waits.
-template <Phase P>
-__global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
-                                                   const StepMeta* meta, Buffers b) {
+/// x[row] = tok_emb[prompt[row]] + pos_emb[pos + row]. One warp per row. Launched without PDL
+/// (Launcher::pdl_first): it starts after everything before it on the stream has completed.
+__global__ void __launch_bounds__(32) embed_prefill_kernel(const float* tok_emb, const float* pos_emb,
+                                                           const StepMeta* meta, Buffers b) {
   replay::pdl::wait();
   replay::pdl::launch_dependents();
   const StepMeta m = load_meta(meta);
-  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
-  const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
-  const int token = !active ? 0 : P == Phase::decode ? m.token : b.prompt[row];
-  const int pos = !active ? 0 : m.pos + row;
+  const int row = static_cast<int>(blockIdx.x);
+  const bool active = row < m.seq_len;
+  const int token = active ? b.prompt[row] : 0;
+  const int pos = active ? m.pos + row : 0;
   const int i = lane_id();
   const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
   if (active) b.x[row * C::n_embd + i] = e;
 }
 
-/// Decode: the whole attention sublayer for the step's token in one block:
-/// LN1 → QKV → write k, v into cache slot pos → attention over slots 0..pos → projection + residual.
-/// Before the wait it loads its weights, the step metadata and the cache slots 0..pos-1 (written by
-/// earlier steps, so already complete): after the wait only the residual row is read.
-__global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
-                                                                   const StepMeta* meta, Buffers b) {
-  replay::pdl::launch_dependents();
-  const int lane = lane_id(), h = warp_id();
-  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load overlaps the prologue
-  const bool halted = __ldcg(&meta->halt) != 0;
-  // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
-  // lanes 24-31 repeat the value rows (their result is not used).
-  const int part = min(lane >> 3, 2);
-  const int qkv_row = part * C::n_embd + h * C::head_size + (lane & 7);
-  const NormLinearRow w_qkv = prefetch_norm_linear(p.qkv_w + qkv_row * C::n_embd, p.ln1_w, p.ln1_b, 0.0f);
-  const ProjSlice w_proj = prefetch_proj(p);
-  float* k_head = b.k_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
-  float* v_head = b.v_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
-  const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
-  if (halted) return;  // the device loop has stopped: nothing to do
-
-  replay::pdl::wait();
-  Row32 x = load_activations(b.x);
-  const float x_lane = __ldcg(b.x + lane);
-  const float rstd = center_rstd(x);
-  const float out = norm_linear(w_qkv, x, rstd);
-  if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
-  const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
-  const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
-  const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
-  const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
-  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
-  const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
-  project_residual(w_proj, head, x_lane, b.x);
-}
-
-/// Prefill, part 1 of the attention sublayer: one block per prompt token writes its q and its k, v
-/// (every token's k, v must be in the cache before any token attends). Thread t computes row t of
-/// the QKV projection.
+/// Part 1 of the attention sublayer: one block per prompt token writes its q and its k, v (every
+/// token's k, v must be in the cache before any token attends). Thread t computes row t of the QKV
+/// projection.
 __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, int layer,
                                                                const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
@@ -423,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, in
   }
 }
 
-/// Prefill, part 2: one block per prompt token attends over slots 0..its position (causal), then
+/// Part 2: one block per prompt token attends over slots 0..its position (causal), then
 /// projection + residual.
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams p, int layer,
                                                                      const StepMeta* meta, Buffers b) {
@@ -448,17 +404,16 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
 /// The feed-forward sublayer: x[row] += fc2(ReLU(fc1(LN2(x[row])))).
 /// Thread t computes hidden unit t; then thread (warp w, lane i) multiplies hidden units
 /// 32w..32w+31 (read from shared memory) by its slice of fc2's row i, and warp 0 sums the 4 slices.
-template <Phase P>
-__global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
+__global__ void __launch_bounds__(kThreads) ffn_prefill_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const NormLinearRow w1 = prefetch_norm_linear(p.fc1_w + t * C::n_embd, p.ln2_w, p.ln2_b, load_weight(p.fc1_b + t));
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
   const float b2 = load_weight(p.fc2_b + lane);
-  const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = P == Phase::decode ? __ldcg(&meta->halt) == 0 : row < __ldcg(&meta->seq_len);
+  const int row = static_cast<int>(blockIdx.x);
+  const bool active = row < __ldcg(&meta->seq_len);
   replay::pdl::wait();
-  if (!active) return;  // a prefill row past the prompt, or the device loop has stopped
+  if (!active) return;  // a row past the prompt
   float* x_row = b.x + row * C::n_embd;
   Row32 x = load_activations(x_row);
   const float x_lane = __ldcg(x_row + lane);
@@ -477,17 +432,30 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   if (warp == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + b2);
 }
 
+// ============================================================================================
+// Sampling (prefill and decode)
+// ============================================================================================
+
 /// Sampling by the Gumbel-max trick: the token is argmax_t (logit_t / T + g_t) with independent
 /// Gumbel noise g_t = -log(-log(u_t)), which draws exactly from softmax(logits / T). u_t is uniform
 /// in (0, 1), a pure function of (seed, seq_len, t) (common/rng.hpp), so the noise is drawn before
-/// the kernel waits for its input, and after the wait the draw is one argmax: no maximum, no
-/// exponentials and no scan on the critical path. Greedy (or temperature <= 0): g = 0, T = 1, i.e.
-/// the argmax of the logits. Deterministic: the same inputs give the same token on every run.
+/// the logits are known, and once they are the draw is one argmax: no maximum, no exponentials and
+/// no scan on the critical path. Greedy (or temperature <= 0): g = 0, T = 1, i.e. the argmax of the
+/// logits. Deterministic: the same inputs give the same token on every run.
 __device__ __forceinline__ float gumbel_noise(const StepMeta& m, int t) {
   const std::uint64_t bits =
       replay_examples::random_bits(m.seed, static_cast<std::uint64_t>(m.seq_len) * C::vocab_size + t);
   const float u = (static_cast<float>(bits >> 41) + 0.5f) * (1.0f / 8388608.0f);  // [2^-24, 1 - 2^-24]
   return -logf(-logf(u));
+}
+/// The key thread t offers to the argmax: logit / T + noise, or -inf past the vocabulary.
+__device__ __forceinline__ float sampling_key(const StepMeta& m, int t, float logit, float noise) {
+  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
+  return t < C::vocab_size ? fmaf(logit, greedy ? 1.0f : 1.0f / m.temperature, noise) : -INFINITY;
+}
+__device__ __forceinline__ float sampling_noise(const StepMeta& m, int t) {
+  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
+  return greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
 }
 
 /// The index of the largest `key` over the block (thread t offers key for index t), lowest index on
@@ -513,38 +481,298 @@ __device__ __forceinline__ int argmax_block(float key) {
   return idx;
 }
 
-/// Last kernel of a step: logits = lm_head(LN_f(x[last row])), then sampling (Gumbel-max, above);
-/// the logits go to b.logits and the token straight to pinned host memory (no copy node), or, in
-/// the device loop (`loop` not null), to the loop's token buffer, which also decides whether the
-/// loop runs another step (a stop token, the step limit, or a full context). Thread t computes
-/// logit t.
-template <Phase P>
-__global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* lnf_w, const float* lnf_b,
-                                                                  const float* head_w, const float* head_b,
-                                                                  const StepMeta* meta, Buffers b,
-                                                                  replay::token_loop_ref loop) {
+/// Last kernel of a prefill: logits = lm_head(LN_f(x[last prompt row])), then sampling; the logits
+/// go to b.logits and the token straight to pinned host memory. Thread t computes logit t.
+__global__ void __launch_bounds__(kThreads) lm_head_prefill_kernel(const float* lnf_w, const float* lnf_b,
+                                                                   const float* head_w, const float* head_b,
+                                                                   const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
   const StepMeta m = load_meta(meta);
-  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
-  const float inv_t = greedy ? 1.0f : 1.0f / m.temperature;
-  const float noise = greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
-  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
+  const float noise = sampling_noise(m, t);
   replay::pdl::wait();
-  const int row = P == Phase::decode ? 0 : m.seq_len - 1;
-  Row32 x = load_activations(b.x + row * C::n_embd);
+  Row32 x = load_activations(b.x + (m.seq_len - 1) * C::n_embd);
   const float rstd = center_rstd(x);
   const float logit = norm_linear(w, x, rstd);
   if (t < C::vocab_size) b.logits[t] = logit;
-  const int token = argmax_block(t < C::vocab_size ? fmaf(logit, inv_t, noise) : -INFINITY);
+  const int token = argmax_block(sampling_key(m, t, logit, noise));
+  if (t == 0) {
+    advance_meta(b.advance, m, token);
+    *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+  }
+}
+
+// ============================================================================================
+// The decode step: one kernel, one block
+// ============================================================================================
+//
+// A decode step of one token is a chain of small dependent computations; as separate kernels each
+// link costs a kernel handoff and a re-read of the residual row from L2. decode_step_kernel runs
+// the whole step in one block of 128 threads: the residual row lives in shared memory between
+// sublayers (a barrier instead of a handoff), and every weight of the model is staged into shared
+// memory by asynchronous copies (cp.async) issued at the kernel's start, in the order the
+// sublayers use them, one commit group per sublayer. A sublayer waits only for its own group, so
+// the copies of later layers overlap the computation of earlier ones; when the kernel is launched
+// early by PDL (the device loop's chained steps) they all complete before its wait returns.
+//
+// Matrices are staged with 16-byte chunk c of row r at chunk c ^ (r & 7): the 8 threads of a
+// quarter-warp read 8 different rows at the same column, which this places in 8 different bank
+// groups (no shared-memory bank conflicts).
+
+/// One layer's attention weights in shared memory.
+struct AttnStage {
+  float ln_w[C::n_embd], ln_b[C::n_embd];
+  float4 qkv[3 * C::n_embd][C::n_embd / 4];   // swizzled rows
+  float4 proj[C::n_embd][C::n_embd / 4];      // swizzled rows
+  float proj_b[C::n_embd];
+};
+/// One layer's feed-forward weights in shared memory.
+struct FfnStage {
+  float ln_w[C::n_embd], ln_b[C::n_embd];
+  float4 fc1[C::ffn_hidden][C::n_embd / 4];   // swizzled rows
+  float fc1_b[C::ffn_hidden];
+  float4 fc2[C::n_embd][C::ffn_hidden / 4];   // swizzled rows
+  float fc2_b[C::n_embd];
+};
+/// The final LayerNorm and lm_head in shared memory.
+struct HeadStage {
+  float ln_w[C::n_embd], ln_b[C::n_embd];
+  float4 w[C::vocab_size][C::n_embd / 4];     // swizzled rows
+  float b[C::vocab_size + 3];
+};
+/// Everything decode_step_kernel keeps in shared memory (dynamic shared memory: above 48 KiB).
+struct StepShared {
+  float tok_emb[C::vocab_size][C::n_embd];
+  float pos_emb[C::block_size][C::n_embd];
+  AttnStage attn[C::n_layer];
+  FfnStage ffn[C::n_layer];
+  HeadStage head;
+  float x[C::n_embd];                         // the residual row between sublayers
+  float hidden[C::ffn_hidden];
+  float share[kWarps][C::n_embd];             // per-warp partial sums of a projection
+};
+constexpr std::size_t kStepSharedBytes = sizeof(StepShared);
+static_assert(kStepSharedBytes <= 227 * 1024, "the decode step's shared memory must fit one sm_90 block");
+/// Commit groups of the staging copies: embeddings + layer 0 attention, then one per sublayer.
+constexpr int kStageGroups = 2 * C::n_layer + 1;
+
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void copy_async4(void* smem, const void* gmem) {
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+/// Waits until at most `pending` of this thread's commit groups are still in flight.
+__device__ __forceinline__ void wait_async(int pending) {
+  switch (pending) {  // the operand must be an immediate; `pending` is a constant after unrolling
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+    case 7: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 8;\n" ::: "memory"); break;
+  }
+}
+/// The barrier that ends a sublayer: also publishes the staged weights the next one uses (this
+/// thread's copies of group `next_group` complete, then the barrier makes every thread's visible).
+__device__ __forceinline__ void sync_staged(int next_group) {
+  wait_async(kStageGroups - 1 - next_group);
+  __syncthreads();
+}
+
+/// Stages `n` floats (a multiple of 4, 16-byte aligned) as they are.
+__device__ __forceinline__ void stage_vector(float* dst, const float* src, int n) {
+  for (int i = static_cast<int>(threadIdx.x); i < n / 4; i += kThreads)
+    copy_async16(reinterpret_cast<float4*>(dst) + i, reinterpret_cast<const float4*>(src) + i);
+}
+/// Stages a row-major [rows][4 * Chunks] matrix, swizzled (chunk c of row r at c ^ (r & 7)).
+template <int Chunks>
+__device__ __forceinline__ void stage_matrix(float4 (*dst)[Chunks], const float* src, int rows) {
+  static_assert(Chunks % 8 == 0);
+  const float4* s = reinterpret_cast<const float4*>(src);
+  for (int q = static_cast<int>(threadIdx.x); q < rows * Chunks; q += kThreads) {
+    const int r = q / Chunks, c = q % Chunks;
+    copy_async16(&dst[r][c ^ (r & 7)], s + q);
+  }
+}
+/// 8 consecutive chunks of swizzled row `r` from chunk `first` (a multiple of 8): 32 floats.
+template <int Chunks>
+__device__ __forceinline__ Row32 staged_row(const float4 (*m)[Chunks], int r, int first = 0) {
+  Row32 out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out.v[i] = m[r][first + (i ^ (r & 7))];
+  return out;
+}
+__device__ __forceinline__ Row32 add(const Row32& a, const Row32& b) {
+  Row32 out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    out.v[i] = make_float4(a.v[i].x + b.v[i].x, a.v[i].y + b.v[i].y, a.v[i].z + b.v[i].z, a.v[i].w + b.v[i].w);
+  return out;
+}
+/// 32 floats of shared memory every thread reads (a broadcast).
+__device__ __forceinline__ Row32 shared_row(const float* v) {
+  Row32 out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out.v[i] = reinterpret_cast<const float4*>(v)[i];
+  return out;
+}
+
+/// Issues the copies of every weight the step reads, one commit group per sublayer (kStageGroups).
+__device__ __forceinline__ void stage_weights(StepShared& s, const ModelParams& p) {
+  stage_vector(&s.tok_emb[0][0], p.tok_emb, C::vocab_size * C::n_embd);
+  stage_vector(&s.pos_emb[0][0], p.pos_emb, C::block_size * C::n_embd);
+  for (int l = 0; l < C::n_layer; ++l) {
+    const LayerParams& lp = p.layer[l];
+    AttnStage& a = s.attn[l];
+    stage_vector(a.ln_w, lp.ln1_w, C::n_embd);
+    stage_vector(a.ln_b, lp.ln1_b, C::n_embd);
+    stage_matrix(a.qkv, lp.qkv_w, 3 * C::n_embd);
+    stage_matrix(a.proj, lp.proj_w, C::n_embd);
+    stage_vector(a.proj_b, lp.proj_b, C::n_embd);
+    commit_async();
+    FfnStage& f = s.ffn[l];
+    stage_vector(f.ln_w, lp.ln2_w, C::n_embd);
+    stage_vector(f.ln_b, lp.ln2_b, C::n_embd);
+    stage_matrix(f.fc1, lp.fc1_w, C::ffn_hidden);
+    stage_vector(f.fc1_b, lp.fc1_b, C::ffn_hidden);
+    stage_matrix(f.fc2, lp.fc2_w, C::n_embd);
+    stage_vector(f.fc2_b, lp.fc2_b, C::n_embd);
+    commit_async();
+  }
+  stage_vector(s.head.ln_w, p.lnf_w, C::n_embd);
+  stage_vector(s.head.ln_b, p.lnf_b, C::n_embd);
+  stage_matrix(s.head.w, p.head_w, C::vocab_size);
+  if (threadIdx.x < C::vocab_size) copy_async4(&s.head.b[threadIdx.x], p.head_b + threadIdx.x);  // 65: not float4s
+  commit_async();
+}
+
+/// LayerNorm (PyTorch semantics: biased variance, eps inside the square root) of a row every
+/// thread holds, with γ and β from shared memory.
+__device__ __forceinline__ Row32 layer_norm(Row32 x, const float* gamma, const float* beta) {
+  const float rstd = center_rstd(x);
+  const Row32 g = shared_row(gamma), b = shared_row(beta);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    x.v[i] = make_float4(fmaf(x.v[i].x * rstd, g.v[i].x, b.v[i].x), fmaf(x.v[i].y * rstd, g.v[i].y, b.v[i].y),
+                         fmaf(x.v[i].z * rstd, g.v[i].z, b.v[i].z), fmaf(x.v[i].w * rstd, g.v[i].w, b.v[i].w));
+  return x;
+}
+
+/// Attention sublayer of one layer for the step's token: s.x = x + proj(Attention(LN1(x))), for the
+/// residual row x (every thread holds it; x_lane: element lane of it). Warp h is
+/// head h; lanes 0-7 / 8-15 / 16-23 compute its query / key / value (lanes 24-31 repeat the value
+/// rows), the key and value go to cache slot pos, and attend_head weighs slots 0..pos-1 (`history`,
+/// loaded before) and this token. Ends with the barrier that publishes the new x.
+__device__ __forceinline__ void attention_sublayer(StepShared& s, const Row32& x, float x_lane, const AttnStage& w,
+                                                   const KvRows& history, float* k_head, float* v_head, int pos,
+                                                   int next_group) {
+  const int lane = lane_id(), h = warp_id();
+  const Row32 y = layer_norm(x, w.ln_w, w.ln_b);
+  const int part = min(lane >> 3, 2);
+  const float out = dot32(staged_row(w.qkv, part * C::n_embd + h * C::head_size + (lane & 7)), y);
+  if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
+  const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
+  const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
+  const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
+  const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
+  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
+  const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
+  // Projection, split by head: lane i of warp h holds proj_w[i][8h .. 8h+7] (chunks 2h, 2h + 1).
+  const float4 w0 = w.proj[lane][(2 * h) ^ (lane & 7)], w1 = w.proj[lane][(2 * h + 1) ^ (lane & 7)];
+  s.share[h][lane] = dot8(w0, w1, head.a, head.b);
+  __syncthreads();
+  if (h == 0)
+    s.x[lane] = x_lane + (((s.share[0][lane] + s.share[1][lane]) + (s.share[2][lane] + s.share[3][lane])) + w.proj_b[lane]);
+  sync_staged(next_group);
+}
+
+/// Feed-forward sublayer: s.x += fc2(ReLU(fc1(LN2(x)))). Thread t computes hidden unit t; then
+/// thread (warp w, lane i) multiplies hidden units 32w..32w+31 by its slice of fc2's row i, and
+/// warp 0 sums the 4 slices. Ends with the barrier that publishes the new x.
+__device__ __forceinline__ void ffn_sublayer(StepShared& s, const FfnStage& w, int next_group) {
+  const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  const Row32 y = layer_norm(shared_row(s.x), w.ln_w, w.ln_b);
+  const float x_lane = s.x[lane];
+  s.hidden[t] = fmaxf(dot32(staged_row(w.fc1, t), y) + w.fc1_b[t], 0.0f);  // ReLU
+  __syncthreads();
+  s.share[warp][lane] = dot32(staged_row(w.fc2, lane, 8 * warp), shared_row(s.hidden + 32 * warp));
+  __syncthreads();
+  if (warp == 0)
+    s.x[lane] = x_lane + (((s.share[0][lane] + s.share[1][lane]) + (s.share[2][lane] + s.share[3][lane])) + w.fc2_b[lane]);
+  sync_staged(next_group);
+}
+
+/// One decode step for one token (StepMeta: token, pos, seq_len, sampling), in one block:
+///   x = tok_emb[token] + pos_emb[pos]
+///   for each layer: x += attention(LN1(x)) (k, v written to cache slot pos); x += FFN(LN2(x))
+///   logits = lm_head(LN_f(x)); token = sample(logits)
+/// The token goes to pinned host memory (the host polls it) or, in the device loop (`loop` not
+/// null), to the loop's token buffer, which also decides whether the loop runs another step.
+///
+/// Before its PDL wait the kernel only stages weights: everything it reads that an earlier step
+/// writes (the metadata, the KV cache, the loop's header) is read after it. Launched with PDL (the
+/// device loop's chained steps) it starts while the previous step runs, so the staging is off the
+/// critical path; launched without (the first step of a graph or of a run of the loop's body, and
+/// eager steps) it starts once the previous step has completed.
+__global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(ModelParams p, const StepMeta* meta, Buffers b,
+                                                                  replay::token_loop_ref loop) {
+  extern __shared__ float4 shared_mem[];
+  StepShared& s = *reinterpret_cast<StepShared*>(shared_mem);
+  replay::pdl::launch_dependents();
+  const int t = static_cast<int>(threadIdx.x), lane = lane_id(), h = warp_id();
+  stage_weights(s, p);
+
+  replay::pdl::wait();
+  const StepMeta m = load_meta(meta);
+  const replay::loop_header lh = loop.header != nullptr ? loop.read_header() : replay::loop_header{};
+  if (lh.stopped != 0) {
+    wait_async(0);  // leave no copy in flight
+    return;         // the device loop stopped at an earlier step of this run of its body
+  }
+  const int head_off = h * C::block_size * C::head_size;
+  KvRows history = load_kv_rows(b.k_cache + head_off, b.v_cache + head_off);  // layer 0; slots < pos are valid
+  const float noise = sampling_noise(m, t);
+  sync_staged(0);
+
+#pragma unroll
+  for (int l = 0; l < C::n_layer; ++l) {
+    float* k_head = b.k_cache + l * kCacheLayer + head_off;
+    float* v_head = b.v_cache + l * kCacheLayer + head_off;
+    // The next layer's history is loaded while this layer computes.
+    const KvRows next = l + 1 < C::n_layer ? load_kv_rows(k_head + kCacheLayer, v_head + kCacheLayer) : history;
+    if (l == 0) {
+      // The embedding: every thread builds the row itself (no barrier before layer 0).
+      const Row32 x = add(shared_row(s.tok_emb[m.token]), shared_row(s.pos_emb[m.pos]));
+      const float x_lane = s.tok_emb[m.token][lane] + s.pos_emb[m.pos][lane];
+      attention_sublayer(s, x, x_lane, s.attn[l], history, k_head, v_head, m.pos, 2 * l + 1);
+    } else {
+      attention_sublayer(s, shared_row(s.x), s.x[lane], s.attn[l], history, k_head, v_head, m.pos, 2 * l + 1);
+    }
+    ffn_sublayer(s, s.ffn[l], 2 * l + 2);
+    history = next;
+  }
+
+  // lm_head + sampling: thread t computes logit t.
+  const int row_w = min(t, C::vocab_size - 1);
+  const float logit = dot32(staged_row(s.head.w, row_w), layer_norm(shared_row(s.x), s.head.ln_w, s.head.ln_b)) +
+                      s.head.b[row_w];
+  if (t < C::vocab_size) b.logits[t] = logit;
+  const int token = argmax_block(sampling_key(m, t, logit, noise));
   if (t == 0) {
     advance_meta(b.advance, m, token);
     if (loop.header != nullptr) {
       // The sequence fills the context once this token is in it. When the loop stops, the steps
-      // left in this run of the body see `halt` and do nothing.
-      if (!loop.append(token, m.seq_len + 1 >= C::block_size)) b.advance->halt = 1;
+      // left in this run of the body see the header's `stopped` and do nothing.
+      (void)loop.append(lh, token, m.seq_len + 1 >= C::block_size);
     } else {
       *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
     }
@@ -570,67 +798,32 @@ struct Launcher {
   /// captured graph the first kernel has no programmatic edge either way.)
   static constexpr bool pdl_first = false;
 
-  /// One block of `threads` threads per row, on `s`, with PDL when `pdl`.
-  static replay::launch_config config(cudaStream_t s, int rows, int threads, bool pdl,
+  /// `rows` blocks of `threads` threads, on `s`, with PDL when `pdl`.
+  static replay::launch_config config(cudaStream_t s, int rows, int threads, bool pdl, std::size_t shared_bytes = 0,
                                       std::source_location where = std::source_location::current()) {
     return {.grid = dim3(static_cast<unsigned>(rows)), .block = dim3(static_cast<unsigned>(threads)),
-            .stream = replay::stream_ref(s), .pdl = pdl, .where = where};
+            .shared_bytes = shared_bytes, .stream = replay::stream_ref(s), .pdl = pdl, .where = where};
   }
 
-  void embed(cudaStream_t s, Phase phase, int rows) const {
-    if (phase == Phase::decode)
-      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
-    else
-      replay::launch(embed_kernel<Phase::prefill>, config(s, rows, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
-  }
-  void attention_block(cudaStream_t s, int layer) const {
-    replay::launch(attention_block_kernel, config(s, 1, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
-  }
-  void qkv_prefill(cudaStream_t s, int layer, int rows) const {
-    replay::launch(qkv_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
-  }
-  void attention_prefill(cudaStream_t s, int layer, int rows) const {
-    replay::launch(attention_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
-  }
-  void ffn_block(cudaStream_t s, int layer, Phase phase, int rows) const {
-    if (phase == Phase::decode)
-      replay::launch(ffn_block_kernel<Phase::decode>, config(s, 1, kThreads, opt.pdl), p.layer[layer], meta, b);
-    else
-      replay::launch(ffn_block_kernel<Phase::prefill>, config(s, rows, kThreads, opt.pdl), p.layer[layer], meta, b);
-  }
-  void lm_head_sample(cudaStream_t s, Phase phase) const {
-    if (phase == Phase::decode)
-      replay::launch(lm_head_sample_kernel<Phase::decode>, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b, p.head_w,
-                     p.head_b, meta, b, loop);
-    else
-      replay::launch(lm_head_sample_kernel<Phase::prefill>, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b,
-                     p.head_w, p.head_b, meta, b, replay::token_loop_ref{});
-  }
-
-  /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
-  /// `chained`: the step follows another step in the same graph (the device loop's body), so its
-  /// first kernel is launched with PDL too and waits for the previous step's sampler.
+  /// One decode step: one kernel, what eager mode launches and graph mode captures. `chained`: the
+  /// step follows another step in the same graph (the device loop's body), so it is launched with
+  /// PDL and stages its weights while the previous step runs.
   void decode_step(cudaStream_t s, bool chained = false) const {
-    if (chained)
-      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, opt.pdl), p.tok_emb, p.pos_emb, meta, b);
-    else
-      embed(s, Phase::decode, 1);
-    for (int l = 0; l < C::n_layer; ++l) {
-      attention_block(s, l);
-      ffn_block(s, l, Phase::decode, 1);
-    }
-    lm_head_sample(s, Phase::decode);
+    replay::launch(decode_step_kernel, config(s, 1, kThreads, chained ? opt.pdl : pdl_first, kStepSharedBytes), p,
+                   meta, b, loop);
   }
 
-  /// Prefill of `rows` prompt tokens (eager only).
+  /// Prefill of `rows` prompt tokens (eager only): embedding, per layer {QKV, attention, FFN},
+  /// lm_head + sampling; one block per prompt token.
   void prefill(cudaStream_t s, int rows) const {
-    embed(s, Phase::prefill, rows);
+    replay::launch(embed_prefill_kernel, config(s, rows, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
     for (int l = 0; l < C::n_layer; ++l) {
-      qkv_prefill(s, l, rows);
-      attention_prefill(s, l, rows);
-      ffn_block(s, l, Phase::prefill, rows);
+      replay::launch(qkv_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[l], l, meta, b);
+      replay::launch(attention_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[l], l, meta, b);
+      replay::launch(ffn_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[l], meta, b);
     }
-    lm_head_sample(s, Phase::prefill);
+    replay::launch(lm_head_prefill_kernel, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b, p.head_w, p.head_b,
+                   meta, b);
   }
 };
 
@@ -688,6 +881,16 @@ struct Model::Impl {
         prompt(C::block_size),
         token_out(1),
         loop(static_cast<std::size_t>(C::block_size)) {
+    // The decode step keeps the model's weights in shared memory (decode_step_kernel).
+    int device = 0, shared_optin = 0;
+    REPLAY_CHECK(cudaGetDevice(&device));
+    REPLAY_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (static_cast<std::size_t>(shared_optin) < kStepSharedBytes)
+      throw no_device_error(fmt::format("the decode step needs {} bytes of shared memory per block; this device "
+                                        "allows {} (an sm_90 GPU allows 232448)",
+                                        kStepSharedBytes, shared_optin));
+    REPLAY_CHECK(cudaFuncSetAttribute(decode_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kStepSharedBytes)));
     if (w.data.size() != packed_size())
       throw std::invalid_argument(fmt::format("nanogpt::Model: weights hold {} floats, expected {}",
                                               w.data.size(), packed_size()));
@@ -809,12 +1012,10 @@ struct Model::Impl {
     if (!loop_exec) throw replay::usage_error("nanogpt::Model: decode_loop() before capture_loop_graph()");
     settle();
     const replay::stream_ref s(stream.get());
-    if (predicted_valid) predicted.halt = 0;  // the loop graph clears `halt` before its first step
     set_meta(v, false, /*device_advances=*/true);
     loop.arm(s, max_steps, stop_token);
     loop_exec.launch(s);
-    loop.fetch(s);  // one copy: the count, why the loop stopped, the tokens
-    const replay::loop_result r = loop.wait();
+    const replay::loop_result r = loop.wait(s);  // polls the count, the stop reason and the tokens
     if (r.tokens.empty()) throw std::runtime_error("nanogpt: the device loop produced no token");
     out.insert(out.end(), r.tokens.begin(), r.tokens.end());
     const int n = static_cast<int>(r.tokens.size());
@@ -822,7 +1023,6 @@ struct Model::Impl {
     predicted.token = r.tokens.back();
     predicted.pos = v.seq_len + n - 1;
     predicted.seq_len = v.seq_len + n;
-    predicted.halt = 1;  // set by the step that stopped the loop
     predicted_valid = true;
     return {n, r.stop == replay::loop_stop::stop_token};
   }
@@ -923,13 +1123,11 @@ void Model::capture_loop_graph(int steps_per_iteration) {
   b.advance = m.meta.device();  // every step of the loop writes the next step's metadata
   const replay::stream_ref s(m.stream.get());
   replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
-    // Every launch starts with `halt` clear, whatever the previous launch left there.
-    REPLAY_CHECK(cudaMemsetAsync(&m.meta.device()->halt, 0, sizeof(StepMeta::halt), cs.get()));
     m.loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
       const Launcher l{m.params, b, m.meta.device(), m.options, ref};
-      // Several steps per run of the body, each chained to the previous one by PDL (its embedding
-      // kernel waits for the previous sampler): the handoff between two steps is then one kernel
-      // handoff, not the end of a run of the body and the start of the next.
+      // Several steps per run of the body, each chained to the previous one by PDL (it stages its
+      // weights while the previous step runs, then waits for it): the handoff between two steps is
+      // then one kernel handoff, not the end of a run of the body and the start of the next.
       for (int i = 0; i < steps_per_iteration; ++i) l.decode_step(body.get(), /*chained=*/i > 0);
     });
   });

@@ -91,9 +91,8 @@ std::string require_device();
 
 class Model {
  public:
-  /// Kernels in one decode step: embedding, per layer {attention sublayer, FFN sublayer}, lm_head
-  /// + sampling.
-  static constexpr int kernels_per_decode_step = 2 + 2 * Config::n_layer;
+  /// Kernels in one decode step: one (embedding, every layer, lm_head and sampling in one block).
+  static constexpr int kernels_per_decode_step = 1;
   /// Kernels in a prefill: embedding, per layer {QKV, attention, FFN}, lm_head + sampling.
   static constexpr int kernels_per_prefill = 2 + 3 * Config::n_layer;
 
