@@ -52,6 +52,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace replay {
@@ -96,11 +97,13 @@ REPLAY_HOST_DEVICE constexpr loop_stop stop_reason(std::int32_t produced, std::i
   return loop_stop::running;
 }
 
-/// What a kernel in the loop body uses: pass it by value.
+/// What a kernel in the loop body uses: pass it by value. No padding bytes (a kernel parameter of
+/// this type is fully determined, also when default-constructed for a step outside the loop).
 struct token_loop_ref {
   loop_header* header = nullptr;   ///< device memory: produced, stopped, limit, stop token
   std::int32_t* result = nullptr;  ///< pinned host memory: [0] count, [1] loop_stop, then the tokens
   std::int32_t capacity = 0;
+  std::int32_t reserved = 0;       ///< explicit: no padding bytes
   condition cond;                  ///< the WHILE node's condition
 
 #if defined(__CUDACC__)
@@ -140,6 +143,8 @@ struct token_loop_ref {
 #endif
 };
 
+static_assert(std::has_unique_object_representations_v<token_loop_ref>, "token_loop_ref has padding bytes");
+
 /// What one launch of a token loop produced (host side, after token_loop::wait()).
 struct loop_result {
   std::span<const std::int32_t> tokens;  ///< the tokens appended, in order (valid until the next launch)
@@ -169,7 +174,7 @@ class token_loop {
   /// The device view (fixed addresses; the condition is filled in by capture()).
   [[nodiscard]] token_loop_ref ref(condition c = {}) const {
     live("ref");
-    return {reinterpret_cast<loop_header*>(header_.device()), result_.data(), static_cast<std::int32_t>(capacity_),
+    return {reinterpret_cast<loop_header*>(header_.device()), result_.data(), static_cast<std::int32_t>(capacity_), 0,
             c};
   }
 
