@@ -511,111 +511,122 @@ __global__ void __launch_bounds__(kThreads) lm_head_prefill_kernel(const float* 
 // A decode step of one token is a chain of small dependent computations; as separate kernels each
 // link costs a kernel handoff and a re-read of the residual row from L2. decode_step_kernel runs
 // the whole step in one block of 128 threads: the residual row lives in shared memory between
-// sublayers (a barrier instead of a handoff), and every weight of the model is staged into shared
-// memory by asynchronous copies (cp.async) issued at the kernel's start, in the order the
-// sublayers use them, one commit group per sublayer. A sublayer waits only for its own group, so
-// the copies of later layers overlap the computation of earlier ones; when the kernel is launched
-// early by PDL (the device loop's chained steps) they all complete before its wait returns.
+// sublayers (a barrier instead of a handoff), and every weight of the model is in shared memory.
 //
-// Matrices are staged with 16-byte chunk c of row r at chunk c ^ (r & 7): the 8 threads of a
-// quarter-warp read 8 different rows at the same column, which this places in 8 different bank
-// groups (no shared-memory bank conflicts).
+// The weights reach shared memory as a StageImage: the Model prepares it once on the host (below,
+// make_stage_image) in exactly the layout the kernel reads, and every step copies it with 9 bulk
+// copies (cp.async.bulk, the Tensor Memory Accelerator), one per sublayer in the order the
+// sublayers use them, each completing on its own mbarrier. A sublayer waits only for its own copy,
+// so the copies of later layers overlap the computation of earlier ones; when the kernel is
+// launched early by PDL (the device loop's chained steps) they all complete before its wait
+// returns. The image holds each LayerNorm folded into the linear layer after it (its scale γ into
+// the weight rows, its shift β into a per-row constant), and its matrices with 16-byte chunk c of
+// row r at chunk c ^ (r & 7): the 8 threads of a quarter-warp read 8 different rows at the same
+// column, which this places in 8 different bank groups (no shared-memory bank conflicts).
 
-/// One layer's attention weights in shared memory.
+/// One layer's attention weights: LN1 folded into the QKV rows; the output projection.
 struct AttnStage {
-  float ln_w[C::n_embd], ln_b[C::n_embd];
-  float4 qkv[3 * C::n_embd][C::n_embd / 4];   // swizzled rows
+  float4 qkv[3 * C::n_embd][C::n_embd / 4];   // qkv_w[r][j] * ln1_w[j], swizzled rows
+  float qkv_c[3 * C::n_embd];                 // sum_j qkv_w[r][j] * ln1_b[j]
   float4 proj[C::n_embd][C::n_embd / 4];      // swizzled rows
   float proj_b[C::n_embd];
 };
-/// One layer's feed-forward weights in shared memory.
+/// One layer's feed-forward weights: LN2 folded into fc1.
 struct FfnStage {
-  float ln_w[C::n_embd], ln_b[C::n_embd];
-  float4 fc1[C::ffn_hidden][C::n_embd / 4];   // swizzled rows
-  float fc1_b[C::ffn_hidden];
+  float4 fc1[C::ffn_hidden][C::n_embd / 4];   // fc1_w[r][j] * ln2_w[j], swizzled rows
+  float fc1_c[C::ffn_hidden];                 // sum_j fc1_w[r][j] * ln2_b[j] + fc1_b[r]
   float4 fc2[C::n_embd][C::ffn_hidden / 4];   // swizzled rows
   float fc2_b[C::n_embd];
 };
-/// The final LayerNorm and lm_head in shared memory.
+/// The final LayerNorm folded into lm_head.
 struct HeadStage {
-  float ln_w[C::n_embd], ln_b[C::n_embd];
-  float4 w[C::vocab_size][C::n_embd / 4];     // swizzled rows
-  float b[C::vocab_size + 3];
+  float4 w[C::vocab_size][C::n_embd / 4];     // head_w[r][j] * lnf_w[j], swizzled rows
+  float c[C::vocab_size + 3];                 // sum_j head_w[r][j] * lnf_b[j] + head_b[r] (3 unused)
 };
-/// Everything decode_step_kernel keeps in shared memory (dynamic shared memory: above 48 KiB).
-struct StepShared {
+/// Every weight a decode step reads, in the order it reads them.
+struct StageImage {
   float tok_emb[C::vocab_size][C::n_embd];
   float pos_emb[C::block_size][C::n_embd];
-  AttnStage attn[C::n_layer];
-  FfnStage ffn[C::n_layer];
+  struct Layer {
+    AttnStage attn;
+    FfnStage ffn;
+  } layer[C::n_layer];
   HeadStage head;
+};
+static_assert(sizeof(StageImage) == sizeof(StageImage::tok_emb) + sizeof(StageImage::pos_emb) +
+                                        C::n_layer * (sizeof(AttnStage) + sizeof(FfnStage)) + sizeof(HeadStage),
+              "no padding: the bulk copies take the image as contiguous byte ranges");
+/// The bulk copies: embeddings + layer 0 attention, then one per sublayer, then the head.
+constexpr int kStageCopies = 2 * C::n_layer + 1;
+constexpr unsigned stage_bytes(int i) {
+  return i == 0 ? unsigned(sizeof(StageImage::tok_emb) + sizeof(StageImage::pos_emb) + sizeof(AttnStage))
+         : i == kStageCopies - 1 ? unsigned(sizeof(HeadStage))
+         : i % 2 == 1            ? unsigned(sizeof(FfnStage))
+                                 : unsigned(sizeof(AttnStage));
+}
+constexpr unsigned stage_offset(int i) { return i == 0 ? 0u : stage_offset(i - 1) + stage_bytes(i - 1); }
+static_assert(stage_offset(kStageCopies) == sizeof(StageImage));
+static_assert(sizeof(AttnStage) % 16 == 0 && sizeof(FfnStage) % 16 == 0 && sizeof(HeadStage) % 16 == 0,
+              "bulk copies move multiples of 16 bytes");
+
+/// Everything decode_step_kernel keeps in shared memory (dynamic shared memory: above 48 KiB).
+struct StepShared {
+  StageImage w;
   float x[C::n_embd];                         // the residual row between sublayers
   float hidden[C::ffn_hidden];
   float share[kWarps][C::n_embd];             // per-warp partial sums of a projection
+  unsigned long long staged[kStageCopies];    // mbarrier of each bulk copy
 };
 constexpr std::size_t kStepSharedBytes = sizeof(StepShared);
 static_assert(kStepSharedBytes <= 227 * 1024, "the decode step's shared memory must fit one sm_90 block");
-/// Commit groups of the staging copies: embeddings + layer 0 attention, then one per sublayer.
-constexpr int kStageGroups = 2 * C::n_layer + 1;
 
-__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
-  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void copy_async4(void* smem, const void* gmem) {
-  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-/// Waits until at most `pending` of this thread's commit groups are still in flight.
-__device__ __forceinline__ void wait_async(int pending) {
-  switch (pending) {  // the operand must be an immediate; `pending` is a constant after unrolling
-    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
-    case 7: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 8;\n" ::: "memory"); break;
+/// Thread 0: initialises the mbarriers and issues the bulk copies of the whole image. The caller
+/// then synchronises the block once (nobody may wait on a barrier before it is initialised).
+__device__ __forceinline__ void stage_weights(StepShared& s, const StageImage* image) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < kStageCopies; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&s.staged[i])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+  const char* src = reinterpret_cast<const char*>(image);
+  char* dst = reinterpret_cast<char*>(&s.w);
+  for (int i = 0; i < kStageCopies; ++i) {
+    const unsigned bar = shared_address(&s.staged[i]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(stage_bytes(i)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     shared_address(dst + stage_offset(i))),
+                 "l"(src + stage_offset(i)), "r"(stage_bytes(i)), "r"(bar)
+                 : "memory");
   }
+#else
+  (void)s, (void)image;
+  __trap();  // the Model refuses devices below sm_90 (shared memory per block)
+#endif
 }
-/// The barrier that ends a sublayer: also publishes the staged weights the next one uses (this
-/// thread's copies of group `next_group` complete, then the barrier makes every thread's visible).
-__device__ __forceinline__ void sync_staged(int next_group) {
-  wait_async(kStageGroups - 1 - next_group);
-  __syncthreads();
+/// Waits until bulk copy `i` has landed (every thread that reads it waits itself).
+__device__ __forceinline__ void wait_staged(StepShared& s, int i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned bar = shared_address(&s.staged[i]);
+  unsigned done = 0;
+  while (done == 0)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar)
+                 : "memory");
+#else
+  (void)s, (void)i;
+#endif
 }
 
-/// Stages `n` floats (a multiple of 4, 16-byte aligned) as they are.
-__device__ __forceinline__ void stage_vector(float* dst, const float* src, int n) {
-  for (int i = static_cast<int>(threadIdx.x); i < n / 4; i += kThreads)
-    copy_async16(reinterpret_cast<float4*>(dst) + i, reinterpret_cast<const float4*>(src) + i);
-}
-/// Stages a row-major [rows][4 * Chunks] matrix, swizzled (chunk c of row r at c ^ (r & 7)).
-template <int Chunks>
-__device__ __forceinline__ void stage_matrix(float4 (*dst)[Chunks], const float* src, int rows) {
-  static_assert(Chunks % 8 == 0);
-  const float4* s = reinterpret_cast<const float4*>(src);
-  for (int q = static_cast<int>(threadIdx.x); q < rows * Chunks; q += kThreads) {
-    const int r = q / Chunks, c = q % Chunks;
-    copy_async16(&dst[r][c ^ (r & 7)], s + q);
-  }
-}
 /// 8 consecutive chunks of swizzled row `r` from chunk `first` (a multiple of 8): 32 floats.
 template <int Chunks>
 __device__ __forceinline__ Row32 staged_row(const float4 (*m)[Chunks], int r, int first = 0) {
   Row32 out;
 #pragma unroll
   for (int i = 0; i < 8; ++i) out.v[i] = m[r][first + (i ^ (r & 7))];
-  return out;
-}
-__device__ __forceinline__ Row32 add(const Row32& a, const Row32& b) {
-  Row32 out;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    out.v[i] = make_float4(a.v[i].x + b.v[i].x, a.v[i].y + b.v[i].y, a.v[i].z + b.v[i].z, a.v[i].w + b.v[i].w);
   return out;
 }
 /// 32 floats of shared memory every thread reads (a broadcast).
@@ -625,60 +636,25 @@ __device__ __forceinline__ Row32 shared_row(const float* v) {
   for (int i = 0; i < 8; ++i) out.v[i] = reinterpret_cast<const float4*>(v)[i];
   return out;
 }
-
-/// Issues the copies of every weight the step reads, one commit group per sublayer (kStageGroups).
-__device__ __forceinline__ void stage_weights(StepShared& s, const ModelParams& p) {
-  stage_vector(&s.tok_emb[0][0], p.tok_emb, C::vocab_size * C::n_embd);
-  stage_vector(&s.pos_emb[0][0], p.pos_emb, C::block_size * C::n_embd);
-  for (int l = 0; l < C::n_layer; ++l) {
-    const LayerParams& lp = p.layer[l];
-    AttnStage& a = s.attn[l];
-    stage_vector(a.ln_w, lp.ln1_w, C::n_embd);
-    stage_vector(a.ln_b, lp.ln1_b, C::n_embd);
-    stage_matrix(a.qkv, lp.qkv_w, 3 * C::n_embd);
-    stage_matrix(a.proj, lp.proj_w, C::n_embd);
-    stage_vector(a.proj_b, lp.proj_b, C::n_embd);
-    commit_async();
-    FfnStage& f = s.ffn[l];
-    stage_vector(f.ln_w, lp.ln2_w, C::n_embd);
-    stage_vector(f.ln_b, lp.ln2_b, C::n_embd);
-    stage_matrix(f.fc1, lp.fc1_w, C::ffn_hidden);
-    stage_vector(f.fc1_b, lp.fc1_b, C::ffn_hidden);
-    stage_matrix(f.fc2, lp.fc2_w, C::n_embd);
-    stage_vector(f.fc2_b, lp.fc2_b, C::n_embd);
-    commit_async();
-  }
-  stage_vector(s.head.ln_w, p.lnf_w, C::n_embd);
-  stage_vector(s.head.ln_b, p.lnf_b, C::n_embd);
-  stage_matrix(s.head.w, p.head_w, C::vocab_size);
-  if (threadIdx.x < C::vocab_size) copy_async4(&s.head.b[threadIdx.x], p.head_b + threadIdx.x);  // 65: not float4s
-  commit_async();
-}
-
-/// LayerNorm (PyTorch semantics: biased variance, eps inside the square root) of a row every
-/// thread holds, with γ and β from shared memory.
-__device__ __forceinline__ Row32 layer_norm(Row32 x, const float* gamma, const float* beta) {
-  const float rstd = center_rstd(x);
-  const Row32 g = shared_row(gamma), b = shared_row(beta);
+__device__ __forceinline__ Row32 add(const Row32& a, const Row32& b) {
+  Row32 out;
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    x.v[i] = make_float4(fmaf(x.v[i].x * rstd, g.v[i].x, b.v[i].x), fmaf(x.v[i].y * rstd, g.v[i].y, b.v[i].y),
-                         fmaf(x.v[i].z * rstd, g.v[i].z, b.v[i].z), fmaf(x.v[i].w * rstd, g.v[i].w, b.v[i].w));
-  return x;
+    out.v[i] = make_float4(a.v[i].x + b.v[i].x, a.v[i].y + b.v[i].y, a.v[i].z + b.v[i].z, a.v[i].w + b.v[i].w);
+  return out;
 }
 
 /// Attention sublayer of one layer for the step's token: s.x = x + proj(Attention(LN1(x))), for the
-/// residual row x (every thread holds it; x_lane: element lane of it). Warp h is
-/// head h; lanes 0-7 / 8-15 / 16-23 compute its query / key / value (lanes 24-31 repeat the value
-/// rows), the key and value go to cache slot pos, and attend_head weighs slots 0..pos-1 (`history`,
-/// loaded before) and this token. Ends with the barrier that publishes the new x.
-__device__ __forceinline__ void attention_sublayer(StepShared& s, const Row32& x, float x_lane, const AttnStage& w,
-                                                   const KvRows& history, float* k_head, float* v_head, int pos,
-                                                   int next_group) {
+/// residual row x (every thread holds it; x_lane: element lane of it). Warp h is head h; lanes
+/// 0-7 / 8-15 / 16-23 compute its query / key / value (lanes 24-31 repeat the value rows), the key
+/// and value go to cache slot pos, and attend_head weighs slots 0..pos-1 (`history`, loaded
+/// before) and this token. Ends with the barrier that publishes the new x.
+__device__ __forceinline__ void attention_sublayer(StepShared& s, Row32 x, float x_lane, const AttnStage& w,
+                                                   const KvRows& history, float* k_head, float* v_head, int pos) {
   const int lane = lane_id(), h = warp_id();
-  const Row32 y = layer_norm(x, w.ln_w, w.ln_b);
-  const int part = min(lane >> 3, 2);
-  const float out = dot32(staged_row(w.qkv, part * C::n_embd + h * C::head_size + (lane & 7)), y);
+  const float rstd = center_rstd(x);
+  const int row = min(lane >> 3, 2) * C::n_embd + h * C::head_size + (lane & 7);
+  const float out = fmaf(rstd, dot32(staged_row(w.qkv, row), x), w.qkv_c[row]);
   if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
   const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
   const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
@@ -692,23 +668,24 @@ __device__ __forceinline__ void attention_sublayer(StepShared& s, const Row32& x
   __syncthreads();
   if (h == 0)
     s.x[lane] = x_lane + (((s.share[0][lane] + s.share[1][lane]) + (s.share[2][lane] + s.share[3][lane])) + w.proj_b[lane]);
-  sync_staged(next_group);
+  __syncthreads();
 }
 
 /// Feed-forward sublayer: s.x += fc2(ReLU(fc1(LN2(x)))). Thread t computes hidden unit t; then
 /// thread (warp w, lane i) multiplies hidden units 32w..32w+31 by its slice of fc2's row i, and
 /// warp 0 sums the 4 slices. Ends with the barrier that publishes the new x.
-__device__ __forceinline__ void ffn_sublayer(StepShared& s, const FfnStage& w, int next_group) {
+__device__ __forceinline__ void ffn_sublayer(StepShared& s, const FfnStage& w) {
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
-  const Row32 y = layer_norm(shared_row(s.x), w.ln_w, w.ln_b);
+  Row32 x = shared_row(s.x);
   const float x_lane = s.x[lane];
-  s.hidden[t] = fmaxf(dot32(staged_row(w.fc1, t), y) + w.fc1_b[t], 0.0f);  // ReLU
+  const float rstd = center_rstd(x);
+  s.hidden[t] = fmaxf(fmaf(rstd, dot32(staged_row(w.fc1, t), x), w.fc1_c[t]), 0.0f);  // ReLU
   __syncthreads();
   s.share[warp][lane] = dot32(staged_row(w.fc2, lane, 8 * warp), shared_row(s.hidden + 32 * warp));
   __syncthreads();
   if (warp == 0)
     s.x[lane] = x_lane + (((s.share[0][lane] + s.share[1][lane]) + (s.share[2][lane] + s.share[3][lane])) + w.fc2_b[lane]);
-  sync_staged(next_group);
+  __syncthreads();
 }
 
 /// One decode step for one token (StepMeta: token, pos, seq_len, sampling), in one block:
@@ -723,25 +700,25 @@ __device__ __forceinline__ void ffn_sublayer(StepShared& s, const FfnStage& w, i
 /// device loop's chained steps) it starts while the previous step runs, so the staging is off the
 /// critical path; launched without (the first step of a graph or of a run of the loop's body, and
 /// eager steps) it starts once the previous step has completed.
-__global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(ModelParams p, const StepMeta* meta, Buffers b,
-                                                                  replay::token_loop_ref loop) {
+__global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const StageImage* image, const StepMeta* meta,
+                                                                  Buffers b, replay::token_loop_ref loop) {
   extern __shared__ float4 shared_mem[];
   StepShared& s = *reinterpret_cast<StepShared*>(shared_mem);
   replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), h = warp_id();
-  stage_weights(s, p);
+  stage_weights(s, image);
+  __syncthreads();
 
   replay::pdl::wait();
   const StepMeta m = load_meta(meta);
   const replay::loop_header lh = loop.header != nullptr ? loop.read_header() : replay::loop_header{};
   if (lh.stopped != 0) {
-    wait_async(0);  // leave no copy in flight
-    return;         // the device loop stopped at an earlier step of this run of its body
+    for (int i = 0; i < kStageCopies; ++i) wait_staged(s, i);  // leave no copy in flight
+    return;  // the device loop stopped at an earlier step of this run of its body
   }
   const int head_off = h * C::block_size * C::head_size;
   KvRows history = load_kv_rows(b.k_cache + head_off, b.v_cache + head_off);  // layer 0; slots < pos are valid
   const float noise = sampling_noise(m, t);
-  sync_staged(0);
 
 #pragma unroll
   for (int l = 0; l < C::n_layer; ++l) {
@@ -749,22 +726,26 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(ModelParams p,
     float* v_head = b.v_cache + l * kCacheLayer + head_off;
     // The next layer's history is loaded while this layer computes.
     const KvRows next = l + 1 < C::n_layer ? load_kv_rows(k_head + kCacheLayer, v_head + kCacheLayer) : history;
+    wait_staged(s, 2 * l);
     if (l == 0) {
       // The embedding: every thread builds the row itself (no barrier before layer 0).
-      const Row32 x = add(shared_row(s.tok_emb[m.token]), shared_row(s.pos_emb[m.pos]));
-      const float x_lane = s.tok_emb[m.token][lane] + s.pos_emb[m.pos][lane];
-      attention_sublayer(s, x, x_lane, s.attn[l], history, k_head, v_head, m.pos, 2 * l + 1);
+      const Row32 x = add(shared_row(s.w.tok_emb[m.token]), shared_row(s.w.pos_emb[m.pos]));
+      const float x_lane = s.w.tok_emb[m.token][lane] + s.w.pos_emb[m.pos][lane];
+      attention_sublayer(s, x, x_lane, s.w.layer[l].attn, history, k_head, v_head, m.pos);
     } else {
-      attention_sublayer(s, shared_row(s.x), s.x[lane], s.attn[l], history, k_head, v_head, m.pos, 2 * l + 1);
+      attention_sublayer(s, shared_row(s.x), s.x[lane], s.w.layer[l].attn, history, k_head, v_head, m.pos);
     }
-    ffn_sublayer(s, s.ffn[l], 2 * l + 2);
+    wait_staged(s, 2 * l + 1);
+    ffn_sublayer(s, s.w.layer[l].ffn);
     history = next;
   }
 
   // lm_head + sampling: thread t computes logit t.
+  wait_staged(s, kStageCopies - 1);
   const int row_w = min(t, C::vocab_size - 1);
-  const float logit = dot32(staged_row(s.head.w, row_w), layer_norm(shared_row(s.x), s.head.ln_w, s.head.ln_b)) +
-                      s.head.b[row_w];
+  Row32 x = shared_row(s.x);
+  const float rstd = center_rstd(x);
+  const float logit = fmaf(rstd, dot32(staged_row(s.w.head.w, row_w), x), s.w.head.c[row_w]);
   if (t < C::vocab_size) b.logits[t] = logit;
   const int token = argmax_block(sampling_key(m, t, logit, noise));
   if (t == 0) {
@@ -779,6 +760,50 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(ModelParams p,
   }
 }
 
+/// The StageImage of `w` (host side, once per Model): LayerNorms folded into the linear layer
+/// after them (in double), matrices swizzled as decode_step_kernel reads them.
+std::unique_ptr<StageImage> make_stage_image(const Weights& w) {
+  auto img = std::make_unique<StageImage>();
+  std::memset(img.get(), 0, sizeof(StageImage));
+  const auto t = [&](const std::string& name) { return w.tensor(name); };
+  // Rows of `m` ([rows][cols], cols = 4 * chunks) scaled by gamma (if any), swizzled; the per-row
+  // constants sum_j m[r][j] * beta[j] + bias[r] into c (if any).
+  const auto put = [](float4* dst, int chunks, std::span<const float> m, int rows, std::span<const float> gamma,
+                      std::span<const float> beta, std::span<const float> bias, float* c) {
+    const int cols = 4 * chunks;
+    for (int r = 0; r < rows; ++r) {
+      double acc = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(r)];
+      float row[C::ffn_hidden];
+      for (int j = 0; j < cols; ++j) {
+        const float v = m[static_cast<std::size_t>(r * cols + j)];
+        row[j] = gamma.empty() ? v : v * gamma[static_cast<std::size_t>(j)];
+        if (!beta.empty()) acc += static_cast<double>(v) * beta[static_cast<std::size_t>(j)];
+      }
+      for (int q = 0; q < chunks; ++q)
+        dst[r * chunks + (q ^ (r & 7))] = make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+      if (c != nullptr) c[r] = static_cast<float>(acc);
+    }
+  };
+  const std::span<const float> none;
+  std::copy_n(t("token_embedding_table.weight").data(), C::vocab_size * C::n_embd, &img->tok_emb[0][0]);
+  std::copy_n(t("position_embedding_table.weight").data(), C::block_size * C::n_embd, &img->pos_emb[0][0]);
+  for (int l = 0; l < C::n_layer; ++l) {
+    const auto n = [&](std::string_view leaf) { return t(fmt::format("blocks.{}.{}", l, leaf)); };
+    AttnStage& a = img->layer[l].attn;
+    put(&a.qkv[0][0], C::n_embd / 4, n("sa.qkv.weight"), 3 * C::n_embd, n("ln1.weight"), n("ln1.bias"), none, a.qkv_c);
+    put(&a.proj[0][0], C::n_embd / 4, n("sa.attn_proj.weight"), C::n_embd, none, none, none, nullptr);
+    std::copy_n(n("sa.attn_proj.bias").data(), C::n_embd, a.proj_b);
+    FfnStage& f = img->layer[l].ffn;
+    put(&f.fc1[0][0], C::n_embd / 4, n("ffwd.net.0.weight"), C::ffn_hidden, n("ln2.weight"), n("ln2.bias"),
+        n("ffwd.net.0.bias"), f.fc1_c);
+    put(&f.fc2[0][0], C::ffn_hidden / 4, n("ffwd.net.2.weight"), C::n_embd, none, none, none, nullptr);
+    std::copy_n(n("ffwd.net.2.bias").data(), C::n_embd, f.fc2_b);
+  }
+  put(&img->head.w[0][0], C::n_embd / 4, t("lm_head.weight"), C::vocab_size, t("ln_f.weight"), t("ln_f.bias"),
+      t("lm_head.bias"), img->head.c);
+  return img;
+}
+
 // ============================================================================================
 // Launchers: each takes the stream, launches one kernel and checks the launch.
 // ============================================================================================
@@ -786,7 +811,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(ModelParams p,
 struct Launcher {
   const ModelParams& p;
   const Buffers& b;
-  const StepMeta* meta;  // device address of the step metadata
+  const StageImage* image;  // device copy of the decode step's shared-memory image
+  const StepMeta* meta;     // device address of the step metadata
   ModelOptions opt;
   /// The device loop (capture_loop_graph): the sampler appends its token there instead of handing
   /// it to the host. Null otherwise.
@@ -809,8 +835,8 @@ struct Launcher {
   /// step follows another step in the same graph (the device loop's body), so it is launched with
   /// PDL and stages its weights while the previous step runs.
   void decode_step(cudaStream_t s, bool chained = false) const {
-    replay::launch(decode_step_kernel, config(s, 1, kThreads, chained ? opt.pdl : pdl_first, kStepSharedBytes), p,
-                   meta, b, loop);
+    replay::launch(decode_step_kernel, config(s, 1, kThreads, chained ? opt.pdl : pdl_first, kStepSharedBytes),
+                   image, meta, b, loop);
   }
 
   /// Prefill of `rows` prompt tokens (eager only): embedding, per layer {QKV, attention, FFN},
@@ -853,6 +879,7 @@ struct Model::Impl {
   replay::stream stream;
   replay::device_buffer<float> params_mem;           // all parameters, packed (weights.hpp)
   ModelParams params{};
+  replay::device_buffer<StageImage> stage_image;     // the decode step's weights (make_stage_image)
   replay::static_arena arena;                        // activations + KV cache, frozen
   Buffers buffers{};
   replay::step_meta<StepMeta> meta;                  // token, pos, seq_len, sampling
@@ -875,6 +902,7 @@ struct Model::Impl {
   Impl(const Weights& w, ModelOptions opt)
       : options(opt),
         params_mem(w.data.size()),
+        stage_image(1),
         arena(static_cast<std::size_t>(2 * C::block_size * C::n_embd + 2 * C::n_layer * kCacheLayer +
                                        C::vocab_size) * sizeof(float) +
               10 * replay::static_arena::default_alignment),
@@ -909,6 +937,8 @@ struct Model::Impl {
     params.lnf_b = at("ln_f.bias");
     params.head_w = at("lm_head.weight");
     params.head_b = at("lm_head.bias");
+    const std::unique_ptr<StageImage> image = make_stage_image(w);
+    stage_image.copy_from_host(std::span<const StageImage>(image.get(), 1), s);
 
     buffers.x = arena.allocate<float>(C::block_size * C::n_embd).data();
     buffers.q = arena.allocate<float>(C::block_size * C::n_embd).data();
@@ -926,7 +956,7 @@ struct Model::Impl {
 
   ~Impl() { (void)cudaStreamSynchronize(stream.get()); }
 
-  [[nodiscard]] Launcher launcher() const { return {params, buffers, meta.device(), options}; }
+  [[nodiscard]] Launcher launcher() const { return {params, buffers, stage_image.data(), meta.device(), options}; }
 
   /// Waits for a step enqueued without reading its token (enqueue_decode_step).
   void settle() {
@@ -1124,7 +1154,7 @@ void Model::capture_loop_graph(int steps_per_iteration) {
   const replay::stream_ref s(m.stream.get());
   replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
     m.loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
-      const Launcher l{m.params, b, m.meta.device(), m.options, ref};
+      const Launcher l{m.params, b, m.stage_image.data(), m.meta.device(), m.options, ref};
       // Several steps per run of the body, each chained to the previous one by PDL (it stages its
       // weights while the previous step runs, then waits for it): the handoff between two steps is
       // then one kernel handoff, not the end of a run of the body and the start of the next.
