@@ -1,30 +1,28 @@
 // nanogpt/model.cu: the decoder's kernels, their launchers, and the Model (see model.hpp).
 //
-// Layout of a step (decode, one token, B = 1):
+// A decode step (one token, B = 1) is one kernel, decode_step_kernel, one block of 128 threads:
 //
-//   embed_kernel            x = tok_emb[token] + pos_emb[pos]                      (token, pos: StepMeta)
+//   x = tok_emb[token] + pos_emb[pos]                                     (token, pos: StepMeta)
 //   for each of 4 layers:
-//     attention_block_kernel  x += attn_proj(Attention(LN1(x)))   QKV, KV-cache write at slot pos,
-//                                                                  attention over slots 0..pos
-//     ffn_block_kernel        x += fc2(ReLU(fc1(LN2(x))))
-//   lm_head_sample_kernel   logits = lm_head(LN_f(x)); token = sample(logits)    → pinned host slot
+//     attention_sublayer   x += attn_proj(Attention(LN1(x)))   QKV, KV-cache write at slot pos,
+//                                                               attention over slots 0..pos
+//     ffn_sublayer         x += fc2(ReLU(fc1(LN2(x))))
+//   logits = lm_head(LN_f(x)); token = sample(logits)                     → pinned host slot
 //
-// Every kernel is one thread block of 128 threads (4 warps) and one transformer sublayer. A decode
-// step is a chain of 10 dependent single-block kernels, so its time is the sum of 10 chains of
-// dependent latencies, not bandwidth or arithmetic: each kernel is written to do as little as
-// possible between the moment its input is ready and the moment its output is written.
-//   - Before waiting for the previous kernel (programmatic dependent launch), a kernel loads
-//     everything that does not depend on it: its weights, the step metadata, the KV-cache slots of
-//     earlier steps. It also folds the LayerNorm's scale and shift into its weight row.
-//   - After the wait, every thread loads the whole 32-wide residual row into registers and
-//     normalises it itself (sums in registers, no shuffles, no barrier), then computes its output
-//     row of the linear layer as one 32-wide dot product in registers.
+// The step is a chain of small dependent computations, so its time is latency, not bandwidth or
+// arithmetic. One block for the whole step replaces each kernel handoff by a barrier and keeps the
+// residual row in shared memory; every weight is staged into shared memory by bulk copies that
+// overlap the computation (see "The decode step" below).
+//   - Every thread normalises the whole 32-wide residual row itself (sums in registers, no
+//     shuffles, no barrier), then computes its output row of the linear layer as one 32-wide dot
+//     product, the LayerNorm's scale and shift folded into the staged weights.
 //   - Attention: warp h is head h; lanes 0-7 / 8-15 / 16-23 compute the head's query / key / value,
 //     shuffles hand them to every lane, lane l scores the cache slots l and l + 32.
 //
 // Per-step values (token, position, sequence length, sampling settings) are read from StepMeta
 // through a pointer, never passed by value: a graph captured once replays correctly at any
-// position. Prefill uses the same device functions over a grid of one block per prompt token.
+// position. Prefill (eager) is a separate set of kernels, one block per prompt token and one
+// kernel per operation, built from the same device functions.
 #include "model.hpp"
 
 #include "common/rng.hpp"
@@ -115,14 +113,14 @@ __device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
   return m;
 }
 
-/// MetaPath::device and the device loop: the last kernel of a step (or a prefill) writes the
-/// metadata of the step that follows it, the token it sampled at position seq_len, so the host need
-/// not write anything for an ordinary next step. (The sampler's random draw is a function of the
-/// seed and seq_len: advancing seq_len advances it.) Called after the kernel's wait (every earlier kernel of the step has read the
-/// metadata by then, and this one read it before the wait). No fence: the first kernel of every
-/// step and prefill is launched without PDL (Launcher::pdl_first), so it starts only after this kernel
-/// has completed, which makes these writes visible to it and to every later kernel of its step
-/// (they start after it does). The token can therefore go to the host before this is written.
+/// MetaPath::device and the device loop: the sampler of a step (or a prefill) writes the metadata of
+/// the step that follows it, the token it sampled at position seq_len, so the host need not write
+/// anything for an ordinary next step. (The sampler's random draw is a function of the seed and
+/// seq_len: advancing seq_len advances it.) Called after the kernel's wait, once every kernel of
+/// the step has read the metadata. No fence: the next step's kernel reads the metadata only after
+/// this kernel has completed (it is launched without PDL, Launcher::pdl_first, or, chained in the
+/// device loop, reads it after its own PDL wait), which makes these writes visible to it. The token
+/// can therefore go to the host before this is written.
 __device__ __forceinline__ void advance_meta(StepMeta* next, const StepMeta& m, int token) {
   if (next == nullptr) return;
   next->token = token;
