@@ -36,8 +36,7 @@ struct alignas(16) StepMeta {
                                 ///< prefill the prompt length. The sampled token gets index seq_len
   std::int32_t greedy = 0;      ///< 1: take the argmax instead of sampling
   float temperature = 1.0f;     ///< logits are divided by it before the softmax (> 0)
-  std::uint32_t halt = 0;       ///< device loop: 1 once the loop has stopped; the steps left in the
-                                ///< running body do nothing (always 0 outside the loop)
+  std::uint32_t reserved = 0;   ///< unused: keeps the struct 32 bytes (two 16-byte loads)
   std::uint64_t seed = 1337;    ///< RNG seed: the draw for the token at index i is uniform01(seed, i)
 };
 static_assert(std::is_trivially_copyable_v<StepMeta> && sizeof(StepMeta) == 32);

@@ -1,30 +1,28 @@
 // nanogpt/model.cu: the decoder's kernels, their launchers, and the Model (see model.hpp).
 //
-// Layout of a step (decode, one token, B = 1):
+// A decode step (one token, B = 1) is one kernel, decode_step_kernel, one block of 128 threads:
 //
-//   embed_kernel            x = tok_emb[token] + pos_emb[pos]                      (token, pos: StepMeta)
+//   x = tok_emb[token] + pos_emb[pos]                                     (token, pos: StepMeta)
 //   for each of 4 layers:
-//     attention_block_kernel  x += attn_proj(Attention(LN1(x)))   QKV, KV-cache write at slot pos,
-//                                                                  attention over slots 0..pos
-//     ffn_block_kernel        x += fc2(ReLU(fc1(LN2(x))))
-//   lm_head_sample_kernel   logits = lm_head(LN_f(x)); token = sample(logits)    → pinned host slot
+//     attention_sublayer   x += attn_proj(Attention(LN1(x)))   QKV, KV-cache write at slot pos,
+//                                                               attention over slots 0..pos
+//     ffn_sublayer         x += fc2(ReLU(fc1(LN2(x))))
+//   logits = lm_head(LN_f(x)); token = sample(logits)                     → pinned host slot
 //
-// Every kernel is one thread block of 128 threads (4 warps) and one transformer sublayer. A decode
-// step is a chain of 10 dependent single-block kernels, so its time is the sum of 10 chains of
-// dependent latencies, not bandwidth or arithmetic: each kernel is written to do as little as
-// possible between the moment its input is ready and the moment its output is written.
-//   - Before waiting for the previous kernel (programmatic dependent launch), a kernel loads
-//     everything that does not depend on it: its weights, the step metadata, the KV-cache slots of
-//     earlier steps. It also folds the LayerNorm's scale and shift into its weight row.
-//   - After the wait, every thread loads the whole 32-wide residual row into registers and
-//     normalises it itself (sums in registers, no shuffles, no barrier), then computes its output
-//     row of the linear layer as one 32-wide dot product in registers.
+// The step is a chain of small dependent computations, so its time is latency, not bandwidth or
+// arithmetic. One block for the whole step replaces each kernel handoff by a barrier and keeps the
+// residual row in shared memory; every weight is staged into shared memory by bulk copies that
+// overlap the computation (see "The decode step" below).
+//   - Every thread normalises the whole 32-wide residual row itself (sums in registers, no
+//     shuffles, no barrier), then computes its output row of the linear layer as one 32-wide dot
+//     product, the LayerNorm's scale and shift folded into the staged weights.
 //   - Attention: warp h is head h; lanes 0-7 / 8-15 / 16-23 compute the head's query / key / value,
 //     shuffles hand them to every lane, lane l scores the cache slots l and l + 32.
 //
 // Per-step values (token, position, sequence length, sampling settings) are read from StepMeta
 // through a pointer, never passed by value: a graph captured once replays correctly at any
-// position. Prefill uses the same device functions over a grid of one block per prompt token.
+// position. Prefill (eager) is a separate set of kernels, one block per prompt token and one
+// kernel per operation, built from the same device functions.
 #include "model.hpp"
 
 #include "common/rng.hpp"
@@ -97,8 +95,6 @@ static_assert(C::ffn_hidden == kThreads, "fc1 maps one hidden unit to one thread
 static_assert(C::vocab_size <= kThreads && 3 * C::n_embd <= kThreads);
 constexpr int kCacheLayer = C::n_head * C::block_size * C::head_size;  // floats per layer per K/V
 
-/// Which rows a kernel works on: one token (decode, row 0) or the prompt (prefill, one block each).
-enum class Phase { decode, prefill };
 
 // ============================================================================================
 // Device building blocks
@@ -117,14 +113,14 @@ __device__ __forceinline__ StepMeta load_meta(const StepMeta* meta) {
   return m;
 }
 
-/// MetaPath::device and the device loop: the last kernel of a step (or a prefill) writes the
-/// metadata of the step that follows it, the token it sampled at position seq_len, so the host need
-/// not write anything for an ordinary next step. (The sampler's random draw is a function of the
-/// seed and seq_len: advancing seq_len advances it.) Called after the kernel's wait (every earlier kernel of the step has read the
-/// metadata by then, and this one read it before the wait). No fence: the first kernel of every
-/// step and prefill is launched without PDL (Launcher::pdl_first), so it starts only after this kernel
-/// has completed, which makes these writes visible to it and to every later kernel of its step
-/// (they start after it does). The token can therefore go to the host before this is written.
+/// MetaPath::device and the device loop: the sampler of a step (or a prefill) writes the metadata of
+/// the step that follows it, the token it sampled at position seq_len, so the host need not write
+/// anything for an ordinary next step. (The sampler's random draw is a function of the seed and
+/// seq_len: advancing seq_len advances it.) Called after the kernel's wait, once every kernel of
+/// the step has read the metadata. No fence: the next step's kernel reads the metadata only after
+/// this kernel has completed (it is launched without PDL, Launcher::pdl_first, or, chained in the
+/// device loop, reads it after its own PDL wait), which makes these writes visible to it. The token
+/// can therefore go to the host before this is written.
 __device__ __forceinline__ void advance_meta(StepMeta* next, const StepMeta& m, int token) {
   if (next == nullptr) return;
   next->token = token;
@@ -336,70 +332,28 @@ __device__ __forceinline__ void project_residual(const ProjSlice& w, Head8 head,
 }
 
 // ============================================================================================
-// Kernels
+// Prefill kernels (eager only): one block per prompt token
 // ============================================================================================
 
-/// First kernel of a step: x[row] = tok_emb[token] + pos_emb[pos]. One warp per row. Launched
-/// without PDL (Launcher::pdl_first), it starts after the previous step has completed and its wait
-/// returns at once. Launched with PDL (the steps after the first in a run of the device loop's
-/// body), it waits for the previous step's sampler, which wrote the StepMeta it reads, and lets the
-/// step's next kernel start only then: that kernel and the later ones read the StepMeta before
-/// their own waits.
-template <Phase P>
-__global__ void __launch_bounds__(32) embed_kernel(const float* tok_emb, const float* pos_emb,
-                                                   const StepMeta* meta, Buffers b) {
+/// x[row] = tok_emb[prompt[row]] + pos_emb[pos + row]. One warp per row. Launched without PDL
+/// (Launcher::pdl_first): it starts after everything before it on the stream has completed.
+__global__ void __launch_bounds__(32) embed_prefill_kernel(const float* tok_emb, const float* pos_emb,
+                                                           const StepMeta* meta, Buffers b) {
   replay::pdl::wait();
   replay::pdl::launch_dependents();
   const StepMeta m = load_meta(meta);
-  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
-  const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = row < (P == Phase::decode ? 1 : m.seq_len);
-  const int token = !active ? 0 : P == Phase::decode ? m.token : b.prompt[row];
-  const int pos = !active ? 0 : m.pos + row;
+  const int row = static_cast<int>(blockIdx.x);
+  const bool active = row < m.seq_len;
+  const int token = active ? b.prompt[row] : 0;
+  const int pos = active ? m.pos + row : 0;
   const int i = lane_id();
   const float e = load_weight(tok_emb + token * C::n_embd + i) + load_weight(pos_emb + pos * C::n_embd + i);
   if (active) b.x[row * C::n_embd + i] = e;
 }
 
-/// Decode: the whole attention sublayer for the step's token in one block:
-/// LN1 → QKV → write k, v into cache slot pos → attention over slots 0..pos → projection + residual.
-/// Before the wait it loads its weights, the step metadata and the cache slots 0..pos-1 (written by
-/// earlier steps, so already complete): after the wait only the residual row is read.
-__global__ void __launch_bounds__(kThreads) attention_block_kernel(LayerParams p, int layer,
-                                                                   const StepMeta* meta, Buffers b) {
-  replay::pdl::launch_dependents();
-  const int lane = lane_id(), h = warp_id();
-  const int pos = __ldcg(&meta->pos);  // needed after the wait only: its load overlaps the prologue
-  const bool halted = __ldcg(&meta->halt) != 0;
-  // Lane roles in warp h: lanes 0-7 query, 8-15 key, 16-23 value element (lane & 7) of head h;
-  // lanes 24-31 repeat the value rows (their result is not used).
-  const int part = min(lane >> 3, 2);
-  const int qkv_row = part * C::n_embd + h * C::head_size + (lane & 7);
-  const NormLinearRow w_qkv = prefetch_norm_linear(p.qkv_w + qkv_row * C::n_embd, p.ln1_w, p.ln1_b, 0.0f);
-  const ProjSlice w_proj = prefetch_proj(p);
-  float* k_head = b.k_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
-  float* v_head = b.v_cache + layer * kCacheLayer + h * C::block_size * C::head_size;
-  const KvRows history = load_kv_rows(k_head, v_head);  // slots 0..pos-1 are valid
-  if (halted) return;  // the device loop has stopped: nothing to do
-
-  replay::pdl::wait();
-  Row32 x = load_activations(b.x);
-  const float x_lane = __ldcg(b.x + lane);
-  const float rstd = center_rstd(x);
-  const float out = norm_linear(w_qkv, x, rstd);
-  if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
-  const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
-  const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
-  const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
-  const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
-  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
-  const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
-  project_residual(w_proj, head, x_lane, b.x);
-}
-
-/// Prefill, part 1 of the attention sublayer: one block per prompt token writes its q and its k, v
-/// (every token's k, v must be in the cache before any token attends). Thread t computes row t of
-/// the QKV projection.
+/// Part 1 of the attention sublayer: one block per prompt token writes its q and its k, v (every
+/// token's k, v must be in the cache before any token attends). Thread t computes row t of the QKV
+/// projection.
 __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, int layer,
                                                                const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
@@ -423,7 +377,7 @@ __global__ void __launch_bounds__(kThreads) qkv_prefill_kernel(LayerParams p, in
   }
 }
 
-/// Prefill, part 2: one block per prompt token attends over slots 0..its position (causal), then
+/// Part 2: one block per prompt token attends over slots 0..its position (causal), then
 /// projection + residual.
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams p, int layer,
                                                                      const StepMeta* meta, Buffers b) {
@@ -448,17 +402,16 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(LayerParams
 /// The feed-forward sublayer: x[row] += fc2(ReLU(fc1(LN2(x[row])))).
 /// Thread t computes hidden unit t; then thread (warp w, lane i) multiplies hidden units
 /// 32w..32w+31 (read from shared memory) by its slice of fc2's row i, and warp 0 sums the 4 slices.
-template <Phase P>
-__global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
+__global__ void __launch_bounds__(kThreads) ffn_prefill_kernel(LayerParams p, const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const NormLinearRow w1 = prefetch_norm_linear(p.fc1_w + t * C::n_embd, p.ln2_w, p.ln2_b, load_weight(p.fc1_b + t));
   const Row32 w2 = load_row32(p.fc2_w + lane * C::ffn_hidden + warp * 32);
   const float b2 = load_weight(p.fc2_b + lane);
-  const int row = P == Phase::decode ? 0 : static_cast<int>(blockIdx.x);
-  const bool active = P == Phase::decode ? __ldcg(&meta->halt) == 0 : row < __ldcg(&meta->seq_len);
+  const int row = static_cast<int>(blockIdx.x);
+  const bool active = row < __ldcg(&meta->seq_len);
   replay::pdl::wait();
-  if (!active) return;  // a prefill row past the prompt, or the device loop has stopped
+  if (!active) return;  // a row past the prompt
   float* x_row = b.x + row * C::n_embd;
   Row32 x = load_activations(x_row);
   const float x_lane = __ldcg(x_row + lane);
@@ -477,17 +430,30 @@ __global__ void __launch_bounds__(kThreads) ffn_block_kernel(LayerParams p, cons
   if (warp == 0) x_row[lane] = x_lane + (((share[0][lane] + share[1][lane]) + (share[2][lane] + share[3][lane])) + b2);
 }
 
+// ============================================================================================
+// Sampling (prefill and decode)
+// ============================================================================================
+
 /// Sampling by the Gumbel-max trick: the token is argmax_t (logit_t / T + g_t) with independent
 /// Gumbel noise g_t = -log(-log(u_t)), which draws exactly from softmax(logits / T). u_t is uniform
 /// in (0, 1), a pure function of (seed, seq_len, t) (common/rng.hpp), so the noise is drawn before
-/// the kernel waits for its input, and after the wait the draw is one argmax: no maximum, no
-/// exponentials and no scan on the critical path. Greedy (or temperature <= 0): g = 0, T = 1, i.e.
-/// the argmax of the logits. Deterministic: the same inputs give the same token on every run.
+/// the logits are known, and once they are the draw is one argmax: no maximum, no exponentials and
+/// no scan on the critical path. Greedy (or temperature <= 0): g = 0, T = 1, i.e. the argmax of the
+/// logits. Deterministic: the same inputs give the same token on every run.
 __device__ __forceinline__ float gumbel_noise(const StepMeta& m, int t) {
   const std::uint64_t bits =
       replay_examples::random_bits(m.seed, static_cast<std::uint64_t>(m.seq_len) * C::vocab_size + t);
   const float u = (static_cast<float>(bits >> 41) + 0.5f) * (1.0f / 8388608.0f);  // [2^-24, 1 - 2^-24]
   return -logf(-logf(u));
+}
+/// The key thread t offers to the argmax: logit / T + noise, or -inf past the vocabulary.
+__device__ __forceinline__ float sampling_key(const StepMeta& m, int t, float logit, float noise) {
+  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
+  return t < C::vocab_size ? fmaf(logit, greedy ? 1.0f : 1.0f / m.temperature, noise) : -INFINITY;
+}
+__device__ __forceinline__ float sampling_noise(const StepMeta& m, int t) {
+  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
+  return greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
 }
 
 /// The index of the largest `key` over the block (thread t offers key for index t), lowest index on
@@ -513,42 +479,327 @@ __device__ __forceinline__ int argmax_block(float key) {
   return idx;
 }
 
-/// Last kernel of a step: logits = lm_head(LN_f(x[last row])), then sampling (Gumbel-max, above);
-/// the logits go to b.logits and the token straight to pinned host memory (no copy node), or, in
-/// the device loop (`loop` not null), to the loop's token buffer, which also decides whether the
-/// loop runs another step (a stop token, the step limit, or a full context). Thread t computes
-/// logit t.
-template <Phase P>
-__global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* lnf_w, const float* lnf_b,
-                                                                  const float* head_w, const float* head_b,
-                                                                  const StepMeta* meta, Buffers b,
-                                                                  replay::token_loop_ref loop) {
+/// Last kernel of a prefill: logits = lm_head(LN_f(x[last prompt row])), then sampling; the logits
+/// go to b.logits and the token straight to pinned host memory. Thread t computes logit t.
+__global__ void __launch_bounds__(kThreads) lm_head_prefill_kernel(const float* lnf_w, const float* lnf_b,
+                                                                   const float* head_w, const float* head_b,
+                                                                   const StepMeta* meta, Buffers b) {
   replay::pdl::launch_dependents();
   const int t = static_cast<int>(threadIdx.x);
   const int row_w = min(t, C::vocab_size - 1);
   const NormLinearRow w = prefetch_norm_linear(head_w + row_w * C::n_embd, lnf_w, lnf_b, load_weight(head_b + row_w));
   const StepMeta m = load_meta(meta);
-  const bool greedy = m.greedy != 0 || !(m.temperature > 0.0f);
-  const float inv_t = greedy ? 1.0f : 1.0f / m.temperature;
-  const float noise = greedy || t >= C::vocab_size ? 0.0f : gumbel_noise(m, t);
-  if (P == Phase::decode && m.halt != 0) return;  // the device loop has stopped: nothing to do
+  const float noise = sampling_noise(m, t);
   replay::pdl::wait();
-  const int row = P == Phase::decode ? 0 : m.seq_len - 1;
-  Row32 x = load_activations(b.x + row * C::n_embd);
+  Row32 x = load_activations(b.x + (m.seq_len - 1) * C::n_embd);
   const float rstd = center_rstd(x);
   const float logit = norm_linear(w, x, rstd);
   if (t < C::vocab_size) b.logits[t] = logit;
-  const int token = argmax_block(t < C::vocab_size ? fmaf(logit, inv_t, noise) : -INFINITY);
+  const int token = argmax_block(sampling_key(m, t, logit, noise));
+  if (t == 0) {
+    advance_meta(b.advance, m, token);
+    *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
+  }
+}
+
+// ============================================================================================
+// The decode step: one kernel, one block
+// ============================================================================================
+//
+// A decode step of one token is a chain of small dependent computations; as separate kernels each
+// link costs a kernel handoff and a re-read of the residual row from L2. decode_step_kernel runs
+// the whole step in one block of 128 threads: the residual row lives in shared memory between
+// sublayers (a barrier instead of a handoff), and every weight of the model is in shared memory.
+//
+// The weights reach shared memory as a StageImage: the Model prepares it once on the host (below,
+// make_stage_image) in exactly the layout the kernel reads, and every step copies it with 9 bulk
+// copies (cp.async.bulk, the Tensor Memory Accelerator), one per sublayer in the order the
+// sublayers use them, each completing on its own mbarrier. A sublayer waits only for its own copy,
+// so the copies of later layers overlap the computation of earlier ones; when the kernel is
+// launched early by PDL (the device loop's chained steps) they all complete before its wait
+// returns. The image holds each LayerNorm folded into the linear layer after it (its scale γ into
+// the weight rows, its shift β into a per-row constant), and its matrices with 16-byte chunk c of
+// row r at chunk c ^ (r & 7): the 8 threads of a quarter-warp read 8 different rows at the same
+// column, which this places in 8 different bank groups (no shared-memory bank conflicts).
+
+/// One layer's attention weights: LN1 folded into the QKV rows; the output projection.
+struct AttnStage {
+  float4 qkv[3 * C::n_embd][C::n_embd / 4];   // qkv_w[r][j] * ln1_w[j], swizzled rows
+  float qkv_c[3 * C::n_embd];                 // sum_j qkv_w[r][j] * ln1_b[j]
+  float4 proj[C::n_embd][C::n_embd / 4];      // swizzled rows
+  float proj_b[C::n_embd];
+};
+/// One layer's feed-forward weights: LN2 folded into fc1.
+struct FfnStage {
+  float4 fc1[C::ffn_hidden][C::n_embd / 4];   // fc1_w[r][j] * ln2_w[j], swizzled rows
+  float fc1_c[C::ffn_hidden];                 // sum_j fc1_w[r][j] * ln2_b[j] + fc1_b[r]
+  float4 fc2[C::n_embd][C::ffn_hidden / 4];   // swizzled rows
+  float fc2_b[C::n_embd];
+};
+/// The final LayerNorm folded into lm_head.
+struct HeadStage {
+  float4 w[C::vocab_size][C::n_embd / 4];     // head_w[r][j] * lnf_w[j], swizzled rows
+  float c[C::vocab_size + 3];                 // sum_j head_w[r][j] * lnf_b[j] + head_b[r] (3 unused)
+};
+/// Every weight a decode step reads, in the order it reads them.
+struct StageImage {
+  float tok_emb[C::vocab_size][C::n_embd];
+  float pos_emb[C::block_size][C::n_embd];
+  struct Layer {
+    AttnStage attn;
+    FfnStage ffn;
+  } layer[C::n_layer];
+  HeadStage head;
+};
+static_assert(sizeof(StageImage) == sizeof(StageImage::tok_emb) + sizeof(StageImage::pos_emb) +
+                                        C::n_layer * (sizeof(AttnStage) + sizeof(FfnStage)) + sizeof(HeadStage),
+              "no padding: the bulk copies take the image as contiguous byte ranges");
+/// The bulk copies: embeddings + layer 0 attention, then one per sublayer, then the head.
+constexpr int kStageCopies = 2 * C::n_layer + 1;
+constexpr unsigned stage_bytes(int i) {
+  return i == 0 ? unsigned(sizeof(StageImage::tok_emb) + sizeof(StageImage::pos_emb) + sizeof(AttnStage))
+         : i == kStageCopies - 1 ? unsigned(sizeof(HeadStage))
+         : i % 2 == 1            ? unsigned(sizeof(FfnStage))
+                                 : unsigned(sizeof(AttnStage));
+}
+constexpr unsigned stage_offset(int i) { return i == 0 ? 0u : stage_offset(i - 1) + stage_bytes(i - 1); }
+static_assert(stage_offset(kStageCopies) == sizeof(StageImage));
+static_assert(sizeof(AttnStage) % 16 == 0 && sizeof(FfnStage) % 16 == 0 && sizeof(HeadStage) % 16 == 0,
+              "bulk copies move multiples of 16 bytes");
+
+/// Everything decode_step_kernel keeps in shared memory (dynamic shared memory: above 48 KiB).
+struct StepShared {
+  StageImage w;
+  float x[C::n_embd];                         // the residual row between sublayers
+  float hidden[C::ffn_hidden];
+  float share[kWarps][C::n_embd];             // per-warp partial sums of a projection
+  unsigned long long staged[kStageCopies];    // mbarrier of each bulk copy
+};
+constexpr std::size_t kStepSharedBytes = sizeof(StepShared);
+static_assert(kStepSharedBytes <= 227 * 1024, "the decode step's shared memory must fit one sm_90 block");
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+/// Thread 0: initialises the mbarriers and issues the bulk copies of the whole image. The caller
+/// then synchronises the block once (nobody may wait on a barrier before it is initialised).
+__device__ __forceinline__ void stage_weights(StepShared& s, const StageImage* image) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < kStageCopies; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&s.staged[i])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+  const char* src = reinterpret_cast<const char*>(image);
+  char* dst = reinterpret_cast<char*>(&s.w);
+  for (int i = 0; i < kStageCopies; ++i) {
+    const unsigned bar = shared_address(&s.staged[i]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(stage_bytes(i)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     shared_address(dst + stage_offset(i))),
+                 "l"(src + stage_offset(i)), "r"(stage_bytes(i)), "r"(bar)
+                 : "memory");
+  }
+#else
+  (void)s, (void)image;
+  __trap();  // the Model refuses devices below sm_90 (shared memory per block)
+#endif
+}
+/// Waits until bulk copy `i` has landed (every thread that reads it waits itself).
+__device__ __forceinline__ void wait_staged(StepShared& s, int i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned bar = shared_address(&s.staged[i]);
+  unsigned done = 0;
+  while (done == 0)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar)
+                 : "memory");
+#else
+  (void)s, (void)i;
+#endif
+}
+
+/// 8 consecutive chunks of swizzled row `r` from chunk `first` (a multiple of 8): 32 floats.
+template <int Chunks>
+__device__ __forceinline__ Row32 staged_row(const float4 (*m)[Chunks], int r, int first = 0) {
+  Row32 out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out.v[i] = m[r][first + (i ^ (r & 7))];
+  return out;
+}
+/// 32 floats of shared memory every thread reads (a broadcast).
+__device__ __forceinline__ Row32 shared_row(const float* v) {
+  Row32 out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out.v[i] = reinterpret_cast<const float4*>(v)[i];
+  return out;
+}
+__device__ __forceinline__ Row32 add(const Row32& a, const Row32& b) {
+  Row32 out;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    out.v[i] = make_float4(a.v[i].x + b.v[i].x, a.v[i].y + b.v[i].y, a.v[i].z + b.v[i].z, a.v[i].w + b.v[i].w);
+  return out;
+}
+
+/// Attention sublayer of one layer for the step's token: s.x = x + proj(Attention(LN1(x))), for the
+/// residual row x (every thread holds it; x_lane: element lane of it). Warp h is head h; lanes
+/// 0-7 / 8-15 / 16-23 compute its query / key / value (lanes 24-31 repeat the value rows), the key
+/// and value go to cache slot pos, and attend_head weighs slots 0..pos-1 (`history`, loaded
+/// before) and this token. Ends with the barrier that publishes the new x.
+__device__ __forceinline__ void attention_sublayer(StepShared& s, Row32 x, float x_lane, const AttnStage& w,
+                                                   const KvRows& history, float* k_head, float* v_head, int pos) {
+  const int lane = lane_id(), h = warp_id();
+  const float rstd = center_rstd(x);
+  const int row = min(lane >> 3, 2) * C::n_embd + h * C::head_size + (lane & 7);
+  const float out = fmaf(rstd, dot32(staged_row(w.qkv, row), x), w.qkv_c[row]);
+  if (lane >= 8 && lane < 24) (lane < 16 ? k_head : v_head)[pos * C::head_size + (lane & 7)] = out;  // cache slot pos
+  const auto from = [&](int l) { return __shfl_sync(0xffffffffu, out, l); };
+  const Head8 q = {make_float4(from(0), from(1), from(2), from(3)), make_float4(from(4), from(5), from(6), from(7))};
+  const Head8 k = {make_float4(from(8), from(9), from(10), from(11)), make_float4(from(12), from(13), from(14), from(15))};
+  const Head8 v = {make_float4(from(16), from(17), from(18), from(19)), make_float4(from(20), from(21), from(22), from(23))};
+  constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5
+  const Head8 head = attend_head(q, history, pos - 1, dot8(q.a, q.b, k.a, k.b) * scale, v);
+  // Projection, split by head: lane i of warp h holds proj_w[i][8h .. 8h+7] (chunks 2h, 2h + 1).
+  const float4 w0 = w.proj[lane][(2 * h) ^ (lane & 7)], w1 = w.proj[lane][(2 * h + 1) ^ (lane & 7)];
+  s.share[h][lane] = dot8(w0, w1, head.a, head.b);
+  __syncthreads();
+  if (h == 0)
+    s.x[lane] = x_lane + (((s.share[0][lane] + s.share[1][lane]) + (s.share[2][lane] + s.share[3][lane])) + w.proj_b[lane]);
+  __syncthreads();
+}
+
+/// Feed-forward sublayer: s.x += fc2(ReLU(fc1(LN2(x)))). Thread t computes hidden unit t; then
+/// thread (warp w, lane i) multiplies hidden units 32w..32w+31 by its slice of fc2's row i, and
+/// warp 0 sums the 4 slices. Ends with the barrier that publishes the new x.
+__device__ __forceinline__ void ffn_sublayer(StepShared& s, const FfnStage& w) {
+  const int t = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  Row32 x = shared_row(s.x);
+  const float x_lane = s.x[lane];
+  const float rstd = center_rstd(x);
+  s.hidden[t] = fmaxf(fmaf(rstd, dot32(staged_row(w.fc1, t), x), w.fc1_c[t]), 0.0f);  // ReLU
+  __syncthreads();
+  s.share[warp][lane] = dot32(staged_row(w.fc2, lane, 8 * warp), shared_row(s.hidden + 32 * warp));
+  __syncthreads();
+  if (warp == 0)
+    s.x[lane] = x_lane + (((s.share[0][lane] + s.share[1][lane]) + (s.share[2][lane] + s.share[3][lane])) + w.fc2_b[lane]);
+  __syncthreads();
+}
+
+/// One decode step for one token (StepMeta: token, pos, seq_len, sampling), in one block:
+///   x = tok_emb[token] + pos_emb[pos]
+///   for each layer: x += attention(LN1(x)) (k, v written to cache slot pos); x += FFN(LN2(x))
+///   logits = lm_head(LN_f(x)); token = sample(logits)
+/// The token goes to pinned host memory (the host polls it) or, in the device loop (`loop` not
+/// null), to the loop's token buffer, which also decides whether the loop runs another step.
+///
+/// Before its PDL wait the kernel only stages weights: everything it reads that an earlier step
+/// writes (the metadata, the KV cache, the loop's header) is read after it. Launched with PDL (the
+/// device loop's chained steps) it starts while the previous step runs, so the staging is off the
+/// critical path; launched without (the first step of a graph or of a run of the loop's body, and
+/// eager steps) it starts once the previous step has completed.
+__global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const StageImage* image, const StepMeta* meta,
+                                                                  Buffers b, replay::token_loop_ref loop) {
+  extern __shared__ float4 shared_mem[];
+  StepShared& s = *reinterpret_cast<StepShared*>(shared_mem);
+  replay::pdl::launch_dependents();
+  const int t = static_cast<int>(threadIdx.x), lane = lane_id(), h = warp_id();
+  stage_weights(s, image);
+  __syncthreads();
+
+  replay::pdl::wait();
+  const StepMeta m = load_meta(meta);
+  const replay::loop_header lh = loop.header != nullptr ? loop.read_header() : replay::loop_header{};
+  if (lh.stopped != 0) {
+    for (int i = 0; i < kStageCopies; ++i) wait_staged(s, i);  // leave no copy in flight
+    return;  // the device loop stopped at an earlier step of this run of its body
+  }
+  const int head_off = h * C::block_size * C::head_size;
+  KvRows history = load_kv_rows(b.k_cache + head_off, b.v_cache + head_off);  // layer 0; slots < pos are valid
+  const float noise = sampling_noise(m, t);
+
+#pragma unroll
+  for (int l = 0; l < C::n_layer; ++l) {
+    float* k_head = b.k_cache + l * kCacheLayer + head_off;
+    float* v_head = b.v_cache + l * kCacheLayer + head_off;
+    // The next layer's history is loaded while this layer computes.
+    const KvRows next = l + 1 < C::n_layer ? load_kv_rows(k_head + kCacheLayer, v_head + kCacheLayer) : history;
+    wait_staged(s, 2 * l);
+    if (l == 0) {
+      // The embedding: every thread builds the row itself (no barrier before layer 0).
+      const Row32 x = add(shared_row(s.w.tok_emb[m.token]), shared_row(s.w.pos_emb[m.pos]));
+      const float x_lane = s.w.tok_emb[m.token][lane] + s.w.pos_emb[m.pos][lane];
+      attention_sublayer(s, x, x_lane, s.w.layer[l].attn, history, k_head, v_head, m.pos);
+    } else {
+      attention_sublayer(s, shared_row(s.x), s.x[lane], s.w.layer[l].attn, history, k_head, v_head, m.pos);
+    }
+    wait_staged(s, 2 * l + 1);
+    ffn_sublayer(s, s.w.layer[l].ffn);
+    history = next;
+  }
+
+  // lm_head + sampling: thread t computes logit t.
+  wait_staged(s, kStageCopies - 1);
+  const int row_w = min(t, C::vocab_size - 1);
+  Row32 x = shared_row(s.x);
+  const float rstd = center_rstd(x);
+  const float logit = fmaf(rstd, dot32(staged_row(s.w.head.w, row_w), x), s.w.head.c[row_w]);
+  if (t < C::vocab_size) b.logits[t] = logit;
+  const int token = argmax_block(sampling_key(m, t, logit, noise));
   if (t == 0) {
     advance_meta(b.advance, m, token);
     if (loop.header != nullptr) {
       // The sequence fills the context once this token is in it. When the loop stops, the steps
-      // left in this run of the body see `halt` and do nothing.
-      if (!loop.append(token, m.seq_len + 1 >= C::block_size)) b.advance->halt = 1;
+      // left in this run of the body see the header's `stopped` and do nothing.
+      (void)loop.append(lh, token, m.seq_len + 1 >= C::block_size);
     } else {
       *static_cast<volatile std::int32_t*>(b.token_out) = token;  // host polls it
     }
   }
+}
+
+/// The StageImage of `w` (host side, once per Model): LayerNorms folded into the linear layer
+/// after them (in double), matrices swizzled as decode_step_kernel reads them.
+std::unique_ptr<StageImage> make_stage_image(const Weights& w) {
+  auto img = std::make_unique<StageImage>();
+  std::memset(img.get(), 0, sizeof(StageImage));
+  const auto t = [&](const std::string& name) { return w.tensor(name); };
+  // Rows of `m` ([rows][cols], cols = 4 * chunks) scaled by gamma (if any), swizzled; the per-row
+  // constants sum_j m[r][j] * beta[j] + bias[r] into c (if any).
+  const auto put = [](float4* dst, int chunks, std::span<const float> m, int rows, std::span<const float> gamma,
+                      std::span<const float> beta, std::span<const float> bias, float* c) {
+    const int cols = 4 * chunks;
+    for (int r = 0; r < rows; ++r) {
+      double acc = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(r)];
+      float row[C::ffn_hidden];
+      for (int j = 0; j < cols; ++j) {
+        const float v = m[static_cast<std::size_t>(r * cols + j)];
+        row[j] = gamma.empty() ? v : v * gamma[static_cast<std::size_t>(j)];
+        if (!beta.empty()) acc += static_cast<double>(v) * beta[static_cast<std::size_t>(j)];
+      }
+      for (int q = 0; q < chunks; ++q)
+        dst[r * chunks + (q ^ (r & 7))] = make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+      if (c != nullptr) c[r] = static_cast<float>(acc);
+    }
+  };
+  const std::span<const float> none;
+  std::copy_n(t("token_embedding_table.weight").data(), C::vocab_size * C::n_embd, &img->tok_emb[0][0]);
+  std::copy_n(t("position_embedding_table.weight").data(), C::block_size * C::n_embd, &img->pos_emb[0][0]);
+  for (int l = 0; l < C::n_layer; ++l) {
+    const auto n = [&](std::string_view leaf) { return t(fmt::format("blocks.{}.{}", l, leaf)); };
+    AttnStage& a = img->layer[l].attn;
+    put(&a.qkv[0][0], C::n_embd / 4, n("sa.qkv.weight"), 3 * C::n_embd, n("ln1.weight"), n("ln1.bias"), none, a.qkv_c);
+    put(&a.proj[0][0], C::n_embd / 4, n("sa.attn_proj.weight"), C::n_embd, none, none, none, nullptr);
+    std::copy_n(n("sa.attn_proj.bias").data(), C::n_embd, a.proj_b);
+    FfnStage& f = img->layer[l].ffn;
+    put(&f.fc1[0][0], C::n_embd / 4, n("ffwd.net.0.weight"), C::ffn_hidden, n("ln2.weight"), n("ln2.bias"),
+        n("ffwd.net.0.bias"), f.fc1_c);
+    put(&f.fc2[0][0], C::ffn_hidden / 4, n("ffwd.net.2.weight"), C::n_embd, none, none, none, nullptr);
+    std::copy_n(n("ffwd.net.2.bias").data(), C::n_embd, f.fc2_b);
+  }
+  put(&img->head.w[0][0], C::n_embd / 4, t("lm_head.weight"), C::vocab_size, t("ln_f.weight"), t("ln_f.bias"),
+      t("lm_head.bias"), img->head.c);
+  return img;
 }
 
 // ============================================================================================
@@ -558,7 +809,8 @@ __global__ void __launch_bounds__(kThreads) lm_head_sample_kernel(const float* l
 struct Launcher {
   const ModelParams& p;
   const Buffers& b;
-  const StepMeta* meta;  // device address of the step metadata
+  const StageImage* image;  // device copy of the decode step's shared-memory image
+  const StepMeta* meta;     // device address of the step metadata
   ModelOptions opt;
   /// The device loop (capture_loop_graph): the sampler appends its token there instead of handing
   /// it to the host. Null otherwise.
@@ -570,67 +822,32 @@ struct Launcher {
   /// captured graph the first kernel has no programmatic edge either way.)
   static constexpr bool pdl_first = false;
 
-  /// One block of `threads` threads per row, on `s`, with PDL when `pdl`.
-  static replay::launch_config config(cudaStream_t s, int rows, int threads, bool pdl,
+  /// `rows` blocks of `threads` threads, on `s`, with PDL when `pdl`.
+  static replay::launch_config config(cudaStream_t s, int rows, int threads, bool pdl, std::size_t shared_bytes = 0,
                                       std::source_location where = std::source_location::current()) {
     return {.grid = dim3(static_cast<unsigned>(rows)), .block = dim3(static_cast<unsigned>(threads)),
-            .stream = replay::stream_ref(s), .pdl = pdl, .where = where};
+            .shared_bytes = shared_bytes, .stream = replay::stream_ref(s), .pdl = pdl, .where = where};
   }
 
-  void embed(cudaStream_t s, Phase phase, int rows) const {
-    if (phase == Phase::decode)
-      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
-    else
-      replay::launch(embed_kernel<Phase::prefill>, config(s, rows, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
-  }
-  void attention_block(cudaStream_t s, int layer) const {
-    replay::launch(attention_block_kernel, config(s, 1, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
-  }
-  void qkv_prefill(cudaStream_t s, int layer, int rows) const {
-    replay::launch(qkv_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
-  }
-  void attention_prefill(cudaStream_t s, int layer, int rows) const {
-    replay::launch(attention_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[layer], layer, meta, b);
-  }
-  void ffn_block(cudaStream_t s, int layer, Phase phase, int rows) const {
-    if (phase == Phase::decode)
-      replay::launch(ffn_block_kernel<Phase::decode>, config(s, 1, kThreads, opt.pdl), p.layer[layer], meta, b);
-    else
-      replay::launch(ffn_block_kernel<Phase::prefill>, config(s, rows, kThreads, opt.pdl), p.layer[layer], meta, b);
-  }
-  void lm_head_sample(cudaStream_t s, Phase phase) const {
-    if (phase == Phase::decode)
-      replay::launch(lm_head_sample_kernel<Phase::decode>, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b, p.head_w,
-                     p.head_b, meta, b, loop);
-    else
-      replay::launch(lm_head_sample_kernel<Phase::prefill>, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b,
-                     p.head_w, p.head_b, meta, b, replay::token_loop_ref{});
-  }
-
-  /// One decode step: the sequence of launches that eager mode issues and graph mode captures.
-  /// `chained`: the step follows another step in the same graph (the device loop's body), so its
-  /// first kernel is launched with PDL too and waits for the previous step's sampler.
+  /// One decode step: one kernel, what eager mode launches and graph mode captures. `chained`: the
+  /// step follows another step in the same graph (the device loop's body), so it is launched with
+  /// PDL and stages its weights while the previous step runs.
   void decode_step(cudaStream_t s, bool chained = false) const {
-    if (chained)
-      replay::launch(embed_kernel<Phase::decode>, config(s, 1, 32, opt.pdl), p.tok_emb, p.pos_emb, meta, b);
-    else
-      embed(s, Phase::decode, 1);
-    for (int l = 0; l < C::n_layer; ++l) {
-      attention_block(s, l);
-      ffn_block(s, l, Phase::decode, 1);
-    }
-    lm_head_sample(s, Phase::decode);
+    replay::launch(decode_step_kernel, config(s, 1, kThreads, chained ? opt.pdl : pdl_first, kStepSharedBytes),
+                   image, meta, b, loop);
   }
 
-  /// Prefill of `rows` prompt tokens (eager only).
+  /// Prefill of `rows` prompt tokens (eager only): embedding, per layer {QKV, attention, FFN},
+  /// lm_head + sampling; one block per prompt token.
   void prefill(cudaStream_t s, int rows) const {
-    embed(s, Phase::prefill, rows);
+    replay::launch(embed_prefill_kernel, config(s, rows, 32, pdl_first), p.tok_emb, p.pos_emb, meta, b);
     for (int l = 0; l < C::n_layer; ++l) {
-      qkv_prefill(s, l, rows);
-      attention_prefill(s, l, rows);
-      ffn_block(s, l, Phase::prefill, rows);
+      replay::launch(qkv_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[l], l, meta, b);
+      replay::launch(attention_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[l], l, meta, b);
+      replay::launch(ffn_prefill_kernel, config(s, rows, kThreads, opt.pdl), p.layer[l], meta, b);
     }
-    lm_head_sample(s, Phase::prefill);
+    replay::launch(lm_head_prefill_kernel, config(s, 1, kThreads, opt.pdl), p.lnf_w, p.lnf_b, p.head_w, p.head_b,
+                   meta, b);
   }
 };
 
@@ -660,6 +877,7 @@ struct Model::Impl {
   replay::stream stream;
   replay::device_buffer<float> params_mem;           // all parameters, packed (weights.hpp)
   ModelParams params{};
+  replay::device_buffer<StageImage> stage_image;     // the decode step's weights (make_stage_image)
   replay::static_arena arena;                        // activations + KV cache, frozen
   Buffers buffers{};
   replay::step_meta<StepMeta> meta;                  // token, pos, seq_len, sampling
@@ -682,12 +900,23 @@ struct Model::Impl {
   Impl(const Weights& w, ModelOptions opt)
       : options(opt),
         params_mem(w.data.size()),
+        stage_image(1),
         arena(static_cast<std::size_t>(2 * C::block_size * C::n_embd + 2 * C::n_layer * kCacheLayer +
                                        C::vocab_size) * sizeof(float) +
               10 * replay::static_arena::default_alignment),
         prompt(C::block_size),
         token_out(1),
         loop(static_cast<std::size_t>(C::block_size)) {
+    // The decode step keeps the model's weights in shared memory (decode_step_kernel).
+    int device = 0, shared_optin = 0;
+    REPLAY_CHECK(cudaGetDevice(&device));
+    REPLAY_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (static_cast<std::size_t>(shared_optin) < kStepSharedBytes)
+      throw no_device_error(fmt::format("the decode step needs {} bytes of shared memory per block; this device "
+                                        "allows {} (an sm_90 GPU allows 232448)",
+                                        kStepSharedBytes, shared_optin));
+    REPLAY_CHECK(cudaFuncSetAttribute(decode_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kStepSharedBytes)));
     if (w.data.size() != packed_size())
       throw std::invalid_argument(fmt::format("nanogpt::Model: weights hold {} floats, expected {}",
                                               w.data.size(), packed_size()));
@@ -706,6 +935,8 @@ struct Model::Impl {
     params.lnf_b = at("ln_f.bias");
     params.head_w = at("lm_head.weight");
     params.head_b = at("lm_head.bias");
+    const std::unique_ptr<StageImage> image = make_stage_image(w);
+    stage_image.copy_from_host(std::span<const StageImage>(image.get(), 1), s);
 
     buffers.x = arena.allocate<float>(C::block_size * C::n_embd).data();
     buffers.q = arena.allocate<float>(C::block_size * C::n_embd).data();
@@ -723,7 +954,7 @@ struct Model::Impl {
 
   ~Impl() { (void)cudaStreamSynchronize(stream.get()); }
 
-  [[nodiscard]] Launcher launcher() const { return {params, buffers, meta.device(), options}; }
+  [[nodiscard]] Launcher launcher() const { return {params, buffers, stage_image.data(), meta.device(), options}; }
 
   /// Waits for a step enqueued without reading its token (enqueue_decode_step).
   void settle() {
@@ -809,12 +1040,10 @@ struct Model::Impl {
     if (!loop_exec) throw replay::usage_error("nanogpt::Model: decode_loop() before capture_loop_graph()");
     settle();
     const replay::stream_ref s(stream.get());
-    if (predicted_valid) predicted.halt = 0;  // the loop graph clears `halt` before its first step
     set_meta(v, false, /*device_advances=*/true);
     loop.arm(s, max_steps, stop_token);
     loop_exec.launch(s);
-    loop.fetch(s);  // one copy: the count, why the loop stopped, the tokens
-    const replay::loop_result r = loop.wait();
+    const replay::loop_result r = loop.wait(s);  // polls the count, the stop reason and the tokens
     if (r.tokens.empty()) throw std::runtime_error("nanogpt: the device loop produced no token");
     out.insert(out.end(), r.tokens.begin(), r.tokens.end());
     const int n = static_cast<int>(r.tokens.size());
@@ -822,7 +1051,6 @@ struct Model::Impl {
     predicted.token = r.tokens.back();
     predicted.pos = v.seq_len + n - 1;
     predicted.seq_len = v.seq_len + n;
-    predicted.halt = 1;  // set by the step that stopped the loop
     predicted_valid = true;
     return {n, r.stop == replay::loop_stop::stop_token};
   }
@@ -923,13 +1151,11 @@ void Model::capture_loop_graph(int steps_per_iteration) {
   b.advance = m.meta.device();  // every step of the loop writes the next step's metadata
   const replay::stream_ref s(m.stream.get());
   replay::graph g = replay::capture(s, [&](replay::stream_ref cs) {
-    // Every launch starts with `halt` clear, whatever the previous launch left there.
-    REPLAY_CHECK(cudaMemsetAsync(&m.meta.device()->halt, 0, sizeof(StepMeta::halt), cs.get()));
     m.loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
-      const Launcher l{m.params, b, m.meta.device(), m.options, ref};
-      // Several steps per run of the body, each chained to the previous one by PDL (its embedding
-      // kernel waits for the previous sampler): the handoff between two steps is then one kernel
-      // handoff, not the end of a run of the body and the start of the next.
+      const Launcher l{m.params, b, m.stage_image.data(), m.meta.device(), m.options, ref};
+      // Several steps per run of the body, each chained to the previous one by PDL (it stages its
+      // weights while the previous step runs, then waits for it): the handoff between two steps is
+      // then one kernel handoff, not the end of a run of the body and the start of the next.
       for (int i = 0; i < steps_per_iteration; ++i) l.decode_step(body.get(), /*chained=*/i > 0);
     });
   });

@@ -1,19 +1,20 @@
 // nanogpt/model.hpp: the decoder's host API (plain C++; the kernels live in model.cu).
 //
 // A Model owns everything a decode step touches, allocated once in its constructor: the weights,
-// the residual-stream and query buffers, the static KV cache (block_size slots per head), the
+// the decode step's weight image (what its kernel copies into shared memory), the residual-stream
+// and query buffers, the static KV cache (block_size slots per head), the
 // logits, the step metadata (replay::step_meta<StepMeta>: token, position, sequence length,
 // sampling settings at a fixed device address), a pinned slot the sampler writes the token into,
 // and the device loop's token buffer (replay::token_loop). Nothing is allocated after
 // construction, so every address a captured graph holds stays valid for the Model's lifetime.
 //
-// One decode step = the step metadata on the device → the step's 10 kernels → the sampler writes
-// the token into pinned host memory, where the host picks it up (it polls that memory, and
-// synchronises the stream only if the token is unusually late). The metadata reaches the device in
+// One decode step = the step metadata on the device → the step's one kernel (model.cu), whose
+// sampler writes the token into pinned host memory, where the host picks it up (it polls that
+// memory, and synchronises the stream only if the token is unusually late). The metadata reaches the device in
 // one of three ways (MetaPath): pushed by the host before the step, copied by a node at the start
 // of the graph, or written by the previous step's sampler on the device. The kernels are the same
 // in every mode; only how they are launched differs:
-//   Mode::eager  launches the kernels one by one from the host (kernels_per_decode_step launches);
+//   Mode::eager  launches the step's kernel from the host (kernels_per_decode_step launches);
 //   Mode::graph  replays the graph captured by capture_decode_graph() (one cudaGraphLaunch);
 //   decode_loop() replays the graph captured by capture_loop_graph(): a WHILE node whose body is
 //                the same step, run up to K times on the device per launch (replay/device_loop.hpp).
@@ -91,13 +92,13 @@ std::string require_device();
 
 class Model {
  public:
-  /// Kernels in one decode step: embedding, per layer {attention sublayer, FFN sublayer}, lm_head
-  /// + sampling.
-  static constexpr int kernels_per_decode_step = 2 + 2 * Config::n_layer;
+  /// Kernels in one decode step: one (embedding, every layer, lm_head and sampling in one block).
+  static constexpr int kernels_per_decode_step = 1;
   /// Kernels in a prefill: embedding, per layer {QKV, attention, FFN}, lm_head + sampling.
   static constexpr int kernels_per_prefill = 2 + 3 * Config::n_layer;
 
-  /// Uploads `weights` and allocates every buffer (needs a CUDA device: throws no_device_error).
+  /// Uploads `weights` and allocates every buffer. Needs a CUDA device whose blocks may use the
+  /// decode step's 222 KiB of shared memory (sm_90): throws no_device_error otherwise.
   explicit Model(const Weights& weights, ModelOptions options = {});
   ~Model();
   Model(Model&&) noexcept;
@@ -144,9 +145,9 @@ class Model {
   [[nodiscard]] int loop_steps_per_iteration() const noexcept;
   /// One launch of the device loop: feeds `token` at position `pos` and runs up to `max_steps`
   /// decode steps on the device, stopping after the step that samples `stop_token` (-1: none) or
-  /// fills the context. Appends the tokens to `out` (one asynchronous copy, then one wait). The
-  /// same tokens as max_steps calls of decode_step(). Needs capture_loop_graph() first; requires
-  /// pos + max_steps <= block_size.
+  /// fills the context. Appends the tokens to `out` (polled from pinned memory: no copy, no
+  /// event). The same tokens as max_steps calls of decode_step(). Needs capture_loop_graph() first;
+  /// requires pos + max_steps <= block_size.
   LoopLaunch decode_loop(std::int32_t token, int pos, const Sampling& sampling, int max_steps,
                          std::int32_t stop_token, std::vector<std::int32_t>& out);
   /// Nodes / kernel nodes of the captured graph (0 before capture).

@@ -52,6 +52,7 @@
 #endif
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -63,15 +64,17 @@
 namespace replay {
 
 /// The condition of a conditional node: a handle into the graph the node belongs to. Trivially
-/// copyable; pass it to kernels by value. Default-constructed: null (setting it is a usage error
-/// on the host and does nothing on the device).
+/// copyable, with no padding bytes (a captured kernel's parameters are fully determined, so
+/// replay::audit_step can compare them byte for byte); pass it to kernels by value.
+/// Default-constructed: null (setting it is a usage error on the host and does nothing on the
+/// device).
 class condition {
  public:
   constexpr condition() noexcept = default;
-  constexpr explicit condition(cudaGraphConditionalHandle h) noexcept : h_(h), valid_(true) {}
+  constexpr explicit condition(cudaGraphConditionalHandle h) noexcept : h_(h), valid_(1) {}
 
   [[nodiscard]] constexpr cudaGraphConditionalHandle handle() const noexcept { return h_; }
-  [[nodiscard]] constexpr explicit operator bool() const noexcept { return valid_; }
+  [[nodiscard]] constexpr explicit operator bool() const noexcept { return valid_ != 0; }
 
 #if defined(__CUDACC__)
   /// Sets the condition from device code: a WHILE body runs again when it is true when the body
@@ -80,7 +83,7 @@ class condition {
   __device__ void set(bool value) const { set_value(value ? 1u : 0u); }
   __device__ void set_value(unsigned value) const {
 #if defined(__CUDA_ARCH__)
-    if (valid_) cudaGraphSetConditional(h_, value);
+    if (valid_ != 0) cudaGraphSetConditional(h_, value);
 #else
     (void)value;
 #endif
@@ -89,8 +92,10 @@ class condition {
 
  private:
   cudaGraphConditionalHandle h_ = 0;
-  bool valid_ = false;
+  std::uint32_t valid_ = 0;
+  std::uint32_t reserved_ = 0;  // explicit: no padding bytes
 };
+static_assert(std::has_unique_object_representations_v<condition>, "condition has padding bytes");
 
 /// How a condition starts each launch.
 struct condition_options {

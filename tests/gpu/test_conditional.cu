@@ -255,8 +255,7 @@ TEST_CASE("token_loop: K steps per launch, metadata advanced on the device") {
     CAPTURE(k);
     loop.arm(s, k);
     exec.launch(s);
-    loop.fetch(s);
-    const replay::loop_result r = loop.wait();
+    const replay::loop_result r = loop.wait(s);
     CHECK(r.stop == replay::loop_stop::steps);
     CHECK(r.tokens.size() == static_cast<std::size_t>(k));
     got.insert(got.end(), r.tokens.begin(), r.tokens.end());
@@ -290,8 +289,7 @@ TEST_CASE("token_loop: a stop token ends the launch early; the context limit too
   meta.push(s, first);
   loop.arm(s, 32, expected[stop_at]);
   exec.launch(s);
-  loop.fetch(s);
-  replay::loop_result r = loop.wait();
+  replay::loop_result r = loop.wait(s);
   CHECK(r.stop == replay::loop_stop::stop_token);
   REQUIRE(r.tokens.size() == static_cast<std::size_t>(stop_at + 1));
   CHECK(std::vector<int>(r.tokens.begin(), r.tokens.end()) ==
@@ -309,8 +307,7 @@ TEST_CASE("token_loop: a stop token ends the launch early; the context limit too
   meta.push(s, first);
   loop.arm(s, 32);
   exec2.launch(s);
-  loop.fetch(s);
-  r = loop.wait();
+  r = loop.wait(s);
   CHECK(r.stop == replay::loop_stop::context);
   CHECK(r.tokens.size() == 8u);  // seq_len 1 -> 9
   CHECK(std::vector<int>(r.tokens.begin(), r.tokens.end()) == std::vector<int>(expected.begin(), expected.begin() + 8));
@@ -353,10 +350,13 @@ TEST_CASE("conditional nodes refuse misuse with usage_error") {
   replay::token_loop loop(4);
   CHECK_THROWS_AS(loop.arm(s, 5), replay::usage_error);
   CHECK_THROWS_AS(loop.arm(s, 0), replay::usage_error);
-  CHECK_THROWS_AS(loop.fetch(s), replay::usage_error);  // never armed
+  CHECK_THROWS_AS((void)loop.wait(s), replay::usage_error);  // never armed
   replay::token_loop moved = std::move(loop);
   CHECK_THROWS_AS(loop.arm(s, 1), replay::usage_error);
+  CHECK_THROWS_AS((void)loop.wait(s), replay::usage_error);
   CHECK(moved.capacity() == 4u);
+  moved.arm(s, 2);
+  CHECK_THROWS_AS((void)moved.wait(s), replay::usage_error);  // armed, never launched: nothing stopped
 }
 
 TEST_CASE("a condition drives one node: a second node on it is refused, naming the rule" *

@@ -261,7 +261,7 @@ TEST_CASE("different seeds sample different text; greedy ignores the seed") {
   CHECK(g1.tokens == g2.tokens);
 }
 
-TEST_CASE("the captured step is 10 kernel nodes and one capture serves every position") {
+TEST_CASE("the captured step is one kernel node and one capture serves every position") {
   for (MetaPath meta : {MetaPath::push, MetaPath::graph_copy, MetaPath::device}) {
   CAPTURE(to_string(meta));
   const bool in_graph = meta == MetaPath::graph_copy;
