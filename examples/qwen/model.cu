@@ -477,8 +477,7 @@ struct Engine::Impl {
     stage_and_push(std::span<const DecodeRow>(&row, 1));  // the first step's row, and the block table
     loop->arm(stream, limit, stop_token);                 // pushed only when it changes
     loop_exec.launch(stream);
-    loop->fetch(stream);  // one copy: the count, why the loop stopped, the tokens
-    const replay::loop_result r = loop->wait();
+    const replay::loop_result r = loop->wait(stream);  // polls the count and tokens the device wrote
     if (r.tokens.empty()) throw std::runtime_error("qwen: the device loop produced no token");
     std::copy(r.tokens.begin(), r.tokens.end(), out.begin());
     return static_cast<int>(r.tokens.size());

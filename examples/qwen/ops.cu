@@ -214,7 +214,7 @@ void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_
 namespace {
 
 /// The last kernel of a step in the device loop, one thread: the step's token (row 0's argmax key)
-/// is appended to the loop's buffer, and row 0's metadata becomes the next step's (that token, at
+/// is appended to the loop's result, and row 0's metadata becomes the next step's (that token, at
 /// position + 1). The next step's kernels read it once this kernel has completed: each run of the
 /// loop's body holds one step, and a run starts after the previous one has ended.
 __global__ void loop_advance_kernel(const unsigned long long* keys, std::int32_t* token, std::int32_t* pos,
