@@ -1,4 +1,4 @@
-// examples/qwen/gemv.cu: the fused GEMV of decode buckets up to kGemvMaxRows rows.
+// examples/qwen/gemv.cu: the fused GEMV of decode buckets up to kMmaMaxRows rows.
 //
 // y = W·x for B batch rows, reading every weight once per step. x is staged once per block in
 // shared memory as bf16: copied, or RMS-normalised on the fly from the fp32 residual (the layer's
@@ -6,8 +6,9 @@
 // loads of W, fp32 accumulation and a warp reduction, then the epilogue of the Linear's mode:
 // store, residual add (a red.global.add: no thread waits for the old value), SiLU(gate)·up of the
 // stacked gate/up matrix, or logits + argmax. Weights are loaded before pdl::wait().
-// Two kernels: the ring GEMV for matrices whose per-warp share fits shared memory, the pipelined
-// GEMV elsewhere (plan_gemv). Both multiply in the same order: bit-identical results.
+// Up to 4 rows, two kernels on the CUDA cores: the ring GEMV for matrices whose per-warp share fits
+// shared memory, the pipelined GEMV elsewhere (plan_gemv); both multiply in the same order, so their
+// results are bit-identical. From 8 rows, the tensor-core GEMV (same inputs and epilogues).
 #include "kernels.cuh"
 #include "device.cuh"
 
@@ -383,27 +384,252 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
   if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
 }
 
-constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x in shared memory: B * K bf16 at most
+// ------------------------------------------------------------------------------------------------
+// Tensor-core GEMV for buckets of 8 to 64 rows
+//
+// The batch is the M side of mma.sync m16n8k16 (x rows, in tiles of 16; rows past B are zero
+// fragments) and eight weight rows the N side (eight gate and eight up rows for silu_mul), so the
+// arithmetic per weight is a fraction of an instruction and every weight is read once per step at
+// any bucket. x is staged once per block in shared memory, each row padded by kMmaPad elements so
+// that the fragment loads are free of bank conflicts. The 8 warps of a block split a tile's K in
+// interleaved 32-wide steps and sum their partial tiles in shared memory in a fixed order before the
+// GEMV's epilogue: results do not depend on the grid, and eager and graph runs agree bit for bit.
+// Within a 32-wide step a lane's 16 bytes of a weight row and of an x row feed two mma, so the k
+// order inside the step is permuted the same way for both operands (the dot product does not see
+// it). Weights stream through two register sets of kMmaU steps, the first loaded before the wait.
+// ------------------------------------------------------------------------------------------------
 
-/// Calls f(kernel) with the instance of `Kernel<B, MODE, NORM>` for the runtime (rows, mode): the
-/// one place that maps a shape to a template instance. NORM is on for the projections that read the
-/// residual (QKV, gate/up, lm_head) and off for those that read a bf16 activation (O, down).
-template <template <int, gemv_out, bool> class Pick, class F>
-void with_gemv(int rows, gemv_out mode, F&& f) {
-  auto by_mode = [&](auto b) {
-    constexpr int B = decltype(b)::value;
-    switch (mode) {
-      case gemv_out::store_f32: return f(Pick<B, gemv_out::store_f32, true>::kernel);
-      case gemv_out::silu_mul: return f(Pick<B, gemv_out::silu_mul, true>::kernel);
-      case gemv_out::argmax: return f(Pick<B, gemv_out::argmax, true>::kernel);
-      case gemv_out::add_f32: return f(Pick<B, gemv_out::add_f32, false>::kernel);
+constexpr int kMmaU = 4;     // 32-wide k steps per warp per register set
+constexpr int kMmaPad = 32;  // elements of padding per staged x row
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/// stage_x for the tensor-core GEMV: one warp per row computes the RMS scale (rs), then every thread
+/// writes 8-element pieces of any row (no per-row registers, so B can be 64).
+template <int B, bool NORM>
+__device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, int sx, float (&rs)[B]) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if constexpr (NORM) {
+    for (int b = warp; b < B; b += kGemvWarps) {
+      float ss = 0.f;
+      for (int k = lane * 4; k < K; k += 128) {
+        const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) rs[b] = rsqrtf(ss / K + in.eps);
+    }
+    __syncthreads();
+  }
+  const int per_row = K / 8;
+  for (int i = tid; i < B * per_row; i += kGemvThreads) {
+    const int b = i / per_row, k = (i - b * per_row) * 8;
+    uint4 o;
+    if constexpr (NORM) {
+      float g[8];
+      unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
+      const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
+      const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k + 4);
+      const float r = rs[b];
+      o.x = pack2(a.x * r * g[0], a.y * r * g[1]);
+      o.y = pack2(a.z * r * g[2], a.w * r * g[3]);
+      o.z = pack2(c.x * r * g[4], c.y * r * g[5]);
+      o.w = pack2(c.z * r * g[6], c.w * r * g[7]);
+    } else {
+      o = *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
+    }
+    *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) = o;
+  }
+}
+
+template <int B, gemv_out MODE, bool NORM>
+__global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
+                                                                float* y_f32, bf16* y_bf16, int ldy,
+                                                                unsigned long long* keys) {
+  constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
+  constexpr int MT = (B + 15) / 16;                    // 16-row batch tiles
+  constexpr int kOut = MT * 128;                      // outputs of a tile (with padded batch rows)
+  constexpr int kPer = (kOut + kGemvThreads - 1) / kGemvThreads;  // outputs per thread in the epilogue
+  extern __shared__ uint4 smem_u4[];
+  const int sx = K + kMmaPad;
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);                         // [B][sx]
+  float* red = reinterpret_cast<float*>(xs + std::size_t(B) * sx);    // [warp][MT][R][lane][4]
+  __shared__ float rs[B];
+  __shared__ unsigned long long skeys[B];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int ntiles = (N + 7) / 8, ksteps = K / 32;
+  const int chunks = (ksteps + kGemvWarps * kMmaU - 1) / (kGemvWarps * kMmaU);  // per warp per tile
+
+  using Regs = uint4[R][kMmaU];
+  auto load = [&](Regs& w, int tile, int c) {
+    const int n = tile * 8 + g;
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) {
+      const int s = warp + kGemvWarps * (c * kMmaU + u);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        w[r][u] = n < N && s < ksteps ? ld_stream(W + (std::size_t(r) * N + n) * K + s * 32 + t * 8)
+                                      : make_uint4(0, 0, 0, 0);
     }
   };
+  float acc[MT][R][4];
+  auto clear = [&] {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][r][i] = 0.f;
+  };
+  auto compute = [&](const Regs& w, int c) {
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) {
+      const int s = warp + kGemvWarps * (c * kMmaU + u);
+      if (s < ksteps) {
+        const int k = s * 32 + t * 8;
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          const uint4 lo = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g) * sx + k);
+          uint4 hi = make_uint4(0, 0, 0, 0);
+          if constexpr (B % 16 == 0) hi = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g + 8) * sx + k);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            mma_bf16(acc[m][r], lo.x, hi.x, lo.y, hi.y, w[r][u].x, w[r][u].y);
+            mma_bf16(acc[m][r], lo.z, hi.z, lo.w, hi.w, w[r][u].z, w[r][u].w);
+          }
+        }
+      }
+    }
+  };
+  float best_v[kPer];
+  int best_i[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) best_v[j] = -INFINITY, best_i[j] = 0x7fffffff;
+  // A tile is complete: the warps' partial tiles summed in warp order, then the epilogue. Output e of
+  // a tile is element e % 4 of lane (e / 4) % 32's fragment of batch tile e / 128.
+  auto finish = [&](int tile) {
+    float4* rw = reinterpret_cast<float4*>(red);
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        rw[((warp * MT + m) * R + r) * 32 + lane] = make_float4(acc[m][r][0], acc[m][r][1], acc[m][r][2], acc[m][r][3]);
+    clear();
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = tid + j * kGemvThreads;
+      if (kOut % kGemvThreads == 0 || e < kOut) {
+        const int m = e / 128, ln = (e / 4) % 32, i = e % 4;
+        const int b = m * 16 + (ln >> 2) + (i >= 2 ? 8 : 0), n = tile * 8 + (ln & 3) * 2 + (i & 1);
+        float a[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          a[r] = 0.f;
+#pragma unroll
+          for (int w = 0; w < kGemvWarps; ++w) a[r] += red[(((w * MT + m) * R + r) * 32 + ln) * 4 + i];
+        }
+        if (b < B && n < N) {
+          gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, a[0], a[R - 1]);
+          if constexpr (MODE == gemv_out::argmax)
+            if (a[0] > best_v[j]) best_v[j] = a[0], best_i[j] = n;
+        }
+      }
+    }
+    __syncthreads();
+  };
+
+  clear();
+  Regs wa, wb;
+  int tile = blockIdx.x, c = 0;
+  auto advance = [&](int& tl, int& cc) {
+    if (++cc == chunks) cc = 0, tl += gridDim.x;
+  };
+  replay::pdl::launch_dependents();
+  load(wa, tile, c);  // weights do not depend on earlier kernels
+  replay::pdl::wait();
+  stage_x_rows<B, NORM>(in, K, xs, sx, rs);
+  __syncthreads();
+  int t2 = tile, c2 = c;
+  advance(t2, c2);
+  // Two chunks per trip, so that the register sets never swap (no dynamic indexing). Every warp
+  // walks the same (tile, chunk) sequence, so the block reaches finish() together.
+  while (tile < ntiles) {
+    load(wb, t2, c2);
+    compute(wa, c);
+    if (c == chunks - 1) finish(tile);
+    tile = t2, c = c2;
+    advance(t2, c2);
+    if (tile >= ntiles) break;
+    load(wa, t2, c2);
+    compute(wb, c);
+    if (c == chunks - 1) finish(tile);
+    tile = t2, c = c2;
+    advance(t2, c2);
+  }
+  if constexpr (MODE == gemv_out::argmax) {
+    if (tid < B) skeys[tid] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = tid + j * kGemvThreads;
+      const int b = (e / 128) * 16 + ((e / 4) % 32 >> 2) + (e % 4 >= 2 ? 8 : 0);
+      if (best_i[j] != 0x7fffffff) atomicMax(skeys + b, argmax_key(best_v[j], best_i[j]));
+    }
+    __syncthreads();
+    if (tid < B && skeys[tid] != 0) atomicMax(keys + tid, skeys[tid]);
+  }
+}
+
+/// Dynamic shared memory of the tensor-core GEMV: padded x rows and the warps' partial tiles.
+std::size_t mma_shared_bytes(int rows, int K) {
+  const int R = 2, MT = (rows + 15) / 16;  // R = 2 (silu_mul) at most: one size for every mode
+  return std::size_t(rows) * (K + kMmaPad) * sizeof(bf16) + std::size_t(kGemvWarps) * MT * R * 128 * sizeof(float);
+}
+
+constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x in shared memory: B * K bf16 at most
+
+/// Calls f(kernel) with the instance of `Pick<B, MODE, NORM>` for the runtime mode. NORM is on for
+/// the projections that read the residual (QKV, gate/up, lm_head) and off for those that read a
+/// bf16 activation (O, down).
+template <template <int, gemv_out, bool> class Pick, int B, class F>
+void by_mode(gemv_out mode, F&& f) {
+  switch (mode) {
+    case gemv_out::store_f32: return f(Pick<B, gemv_out::store_f32, true>::kernel);
+    case gemv_out::silu_mul: return f(Pick<B, gemv_out::silu_mul, true>::kernel);
+    case gemv_out::argmax: return f(Pick<B, gemv_out::argmax, true>::kernel);
+    case gemv_out::add_f32: return f(Pick<B, gemv_out::add_f32, false>::kernel);
+  }
+}
+/// The runtime (rows, mode) to a template instance: the CUDA-core GEMVs (Pick) for 1, 2 and 4 rows,
+/// the tensor-core GEMV for 8 to 64.
+template <template <int, gemv_out, bool> class Pick, class F>
+void with_gemv(int rows, gemv_out mode, F&& f) {
   switch (rows) {
-    case 1: return by_mode(std::integral_constant<int, 1>{});
-    case 2: return by_mode(std::integral_constant<int, 2>{});
-    case 4: return by_mode(std::integral_constant<int, 4>{});
-    default: throw replay::usage_error("qwen::gemv: rows must be 1, 2 or 4 (a decode bucket)");
+    case 1: return by_mode<Pick, 1>(mode, f);
+    case 2: return by_mode<Pick, 2>(mode, f);
+    case 4: return by_mode<Pick, 4>(mode, f);
+    default: throw replay::usage_error("qwen::gemv: rows must be 1, 2 or 4 for the CUDA-core GEMV");
+  }
+}
+template <int B, gemv_out M, bool N>
+struct Mma {
+  static constexpr auto kernel = gemv_mma_kernel<B, M, N>;
+};
+template <class F>
+void with_mma(int rows, gemv_out mode, F&& f) {
+  switch (rows) {
+    case 8: return by_mode<Mma, 8>(mode, f);
+    case 16: return by_mode<Mma, 16>(mode, f);
+    case 32: return by_mode<Mma, 32>(mode, f);
+    case 64: return by_mode<Mma, 64>(mode, f);
+    default: throw replay::usage_error("qwen::gemv: rows must be 8, 16, 32 or 64 for the tensor-core GEMV");
   }
 }
 template <int B, gemv_out M, bool N>
@@ -433,14 +659,28 @@ void check_linear(const Linear& op, int rows) {
 }  // namespace
 
 bool gemv_fits(const Linear& op, int rows) {
-  return rows >= 1 && rows <= kGemvMaxRows && (rows & (rows - 1)) == 0 &&
-         std::size_t(rows) * op.K * sizeof(bf16) <= kMaxStageBytes;
+  if (rows < 1 || rows > kMmaMaxRows || (rows & (rows - 1)) != 0) return false;
+  if (rows <= kGemvMaxRows) return std::size_t(rows) * op.K * sizeof(bf16) <= kMaxStageBytes;
+  return op.K % 32 == 0 && mma_shared_bytes(rows, op.K) <= kMaxStageBytes;
 }
 
 GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
   check_linear(op, rows);
   const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
   GemvPlan p;
+  if (rows > kGemvMaxRows) {
+    if (!gemv_fits(op, rows)) throw replay::usage_error("qwen::gemv: rows * K too large for the tensor-core GEMV");
+    // One tile of 8 weight rows per block at a time; the grid is capped at what is resident at once.
+    p.kind = GemvPlan::kernel::mma;
+    p.shared_bytes = mma_shared_bytes(rows, op.K);
+    int per_sm = 0;
+    with_mma(rows, op.mode, [&](auto kernel) {
+      REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, p.shared_bytes));
+    });
+    const int cap = (per_sm < 1 ? 1 : per_sm) * num_sms, tiles = (op.N + 7) / 8;
+    p.grid = tiles < cap ? tiles : cap;
+    return p;
+  }
   // Ring: one block per SM (at most one per row), slots per warp from the shared memory left after
   // x; only where every warp's share of the rows fits its ring (streaming larger matrices through
   // the rings keeps too few bytes in flight per SM).
@@ -500,6 +740,11 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
         replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
       });
       break;
+    case GemvPlan::kernel::mma:
+      with_mma(rows, op.mode, [&](auto k) {
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
+      });
+      break;
   }
 }
 
@@ -518,6 +763,9 @@ void init_gemv_attributes() {
       with_gemv<Pipelined>(rows, m, attrs);
       with_gemv<PipelinedDeep>(rows, m, attrs);
     }
+  for (int rows : {8, 16, 32, 64})
+    for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32})
+      with_mma(rows, m, attrs);
 }
 
 }  // namespace qwen

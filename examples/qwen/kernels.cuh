@@ -45,9 +45,12 @@ struct KvPool {
 
 // ---- GEMV (gemv.cu) --------------------------------------------------------------------------------
 
-/// Rows (batch rows of one step) the fused GEMV handles; larger buckets use cuBLAS (model.cu). At 8
-/// rows the GEMV's per-row arithmetic (unpacking x for every weight chunk) costs more than cuBLAS.
+/// Rows (batch rows of one step) of the CUDA-core GEMV (1, 2, 4): at 8 rows its per-row arithmetic
+/// (unpacking x for every weight chunk) would cost more than the weights take to read. Buckets of 8
+/// to kMmaMaxRows rows run the tensor-core GEMV (the batch as the M side of mma.sync), where x
+/// fits its shared-memory stage; the rest use cuBLAS (model.cu).
 inline constexpr int kGemvMaxRows = 4;
+inline constexpr int kMmaMaxRows = 64;
 
 /// What the fused GEMV does with y = W·x (per batch row b, output row n).
 enum class gemv_out {
@@ -80,19 +83,19 @@ struct Linear {
 
 /// How the fused GEMV runs one (Linear, rows): chosen once per shape when the engine is built.
 struct GemvPlan {
-  enum class kernel { ring, pipelined, pipelined_deep } kind = kernel::pipelined;
+  enum class kernel { ring, pipelined, pipelined_deep, mma } kind = kernel::pipelined;
   int grid = 0;                   ///< blocks
   std::size_t shared_bytes = 0;   ///< dynamic shared memory per block
   int slots = 0;                  ///< ring: slots per warp
 };
 
-/// Whether the fused GEMV serves `op` at `rows` rows: rows a power of two up to kGemvMaxRows and x
-/// ([rows][K] bf16) within its shared-memory stage.
+/// Whether the fused GEMV serves `op` at `rows` rows: rows a power of two up to kMmaMaxRows and x
+/// ([rows][K] bf16) within its shared-memory stage (and, from 8 rows, K a multiple of 32).
 bool gemv_fits(const Linear& op, int rows);
 /// Picks the kernel and grid for `op` at `rows` batch rows on a GPU of `num_sms` SMs (queries the
 /// kernels' occupancy; host only, call at setup).
 GemvPlan plan_gemv(const Linear& op, int rows, int num_sms);
-/// y = W·x for `rows` (1..kGemvMaxRows) batch rows with the epilogue of op.mode.
+/// y = W·x for `rows` (a power of two up to kMmaMaxRows) batch rows with the epilogue of op.mode.
 void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::stream_ref s);
 /// Sets the GEMV kernels' shared-memory attributes (once per process, before the first launch).
 void init_gemv_attributes();

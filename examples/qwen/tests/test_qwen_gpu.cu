@@ -1,5 +1,6 @@
 // GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the fused
-// GEMV agrees with cuBLAS; paged KV keeps sequences apart across buckets; decode agrees with prefill,
+// GEMV (CUDA-core and tensor-core) agrees with cuBLAS; paged KV keeps sequences apart across
+// buckets; decode agrees with prefill,
 // also with split-KV at long context; every supported head shape (head_dim 64 and 128, 1..8 query
 // heads per kv head) runs; the device loop (decode_loop) gives the per-step graph path's tokens for
 // any tokens per launch, stops on a stop token inside a launch and at the end of the context; bad
@@ -111,35 +112,43 @@ double rel_l2(const float* got, const float* want, std::size_t n) {
 }  // namespace
 
 TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV and cuBLAS buckets)") {
-  for (const Config& cfg : shapes()) {
-    CAPTURE(cfg.name);
-    Engine e(cfg, small_opts(), nullptr);
-    MESSAGE(e.describe_kernels());
-    const int V = e.config().vocab_size;
-    for (int batch : {1, 3, 6, 11}) {  // buckets 1, 4 (GEMV, a padded row), 8 and 16 (cuBLAS)
-      CAPTURE(batch);
-      const auto prompts = prompts_of(batch, 5, 3, 0, V);
-      std::vector<float> le, lg;
-      const auto eager = generate(e, prompts, 12, false, &le);
-      const auto graph = generate(e, prompts, 12, true, &lg);
-      CHECK(eager == graph);
-      CHECK(differing(le, lg) == 0);
+  for (const Config& cfg : shapes())
+    for (int gemv_rows : {64, 4}) {  // buckets 8 and 16 on the tensor-core GEMV, then on cuBLAS
+      CAPTURE(cfg.name);
+      CAPTURE(gemv_rows);
+      Engine e(cfg, small_opts(gemv_rows), nullptr);
+      MESSAGE(e.describe_kernels());
+      const int V = e.config().vocab_size;
+      for (int batch : {1, 3, 6, 11}) {  // buckets 1, 4 (a padded row), 8 and 16
+        CAPTURE(batch);
+        const auto prompts = prompts_of(batch, 5, 3, 0, V);
+        std::vector<float> le, lg;
+        const auto eager = generate(e, prompts, 12, false, &le);
+        const auto graph = generate(e, prompts, 12, true, &lg);
+        CHECK(eager == graph);
+        CHECK(differing(le, lg) == 0);
+      }
+      const auto st = e.graph_stats();
+      CHECK(st.captures == 4);
+      CHECK(st.replays == 48);
+      // embed + 5 launches per layer + lm_head on the fused GEMV path, at every bucket it serves.
+      CHECK(st.nodes_per_bucket.at(1) == 2 + 5 * cfg.num_hidden_layers);
+      if (gemv_rows == 64) {
+        CHECK(st.nodes_per_bucket.at(8) == 2 + 5 * cfg.num_hidden_layers);
+        CHECK(st.nodes_per_bucket.at(16) == 2 + 5 * cfg.num_hidden_layers);
+      } else {
+        CHECK(st.nodes_per_bucket.at(8) > 2 + 5 * cfg.num_hidden_layers);
+      }
     }
-    const auto st = e.graph_stats();
-    CHECK(st.captures == 4);
-    CHECK(st.replays == 48);
-    // embed + 5 launches per layer + lm_head on the fused GEMV path.
-    CHECK(st.nodes_per_bucket.at(1) == 2 + 5 * cfg.num_hidden_layers);
-  }
 }
 
 TEST_CASE("the fused GEMV buckets compute what the cuBLAS path computes") {
   for (const Config& cfg : shapes()) {
     CAPTURE(cfg.name);
-    Engine fused(cfg, small_opts(4), nullptr);
+    Engine fused(cfg, small_opts(64), nullptr);
     Engine gemm(cfg, small_opts(0), nullptr);
     const int V = cfg.vocab_size;
-    for (int batch : {1, 2, 4}) {
+    for (int batch : {1, 2, 4, 5, 8, 16}) {
       CAPTURE(batch);
       const auto prompts = prompts_of(batch, 6, 2, 3, V);
       std::vector<float> lf, lc;
@@ -152,27 +161,30 @@ TEST_CASE("the fused GEMV buckets compute what the cuBLAS path computes") {
   }
 }
 
-TEST_CASE("a sequence decoded in a cuBLAS bucket of up to 64 rows matches it decoded alone") {
-  for (const Config& cfg : shapes()) {
-    CAPTURE(cfg.name);
-    EngineOptions o = small_opts();
-    o.max_batch = 64, o.max_bucket = 64, o.kv_budget_bytes = 256ull << 20;
-    Engine e(cfg, o, nullptr);
-    const int V = cfg.vocab_size;
-    for (int batch : {5, 33, 64}) {  // buckets 8, 64 (padded), 64
-      CAPTURE(batch);
-      const auto prompts = prompts_of(batch, 3, 1, 11, V);
-      std::vector<float> lb;
-      (void)generate(e, prompts, 1, true, &lb);
-      for (int i : {0, batch / 2, batch - 1}) {
-        std::vector<float> la;
-        (void)generate(e, {prompts[i]}, 1, true, &la);  // bucket 1: the fused GEMV
-        const double r = rel_l2(lb.data() + std::size_t(i) * V, la.data(), std::size_t(V));
-        MESSAGE(cfg.name << " batch " << batch << " row " << i << ": cuBLAS vs GEMV relative L2 " << r);
-        CHECK(r < 1e-2);
+TEST_CASE("a sequence decoded in a bucket of up to 64 rows matches it decoded alone") {
+  for (const Config& cfg : shapes())
+    for (int gemv_rows : {64, 4}) {  // buckets 8-64 on the tensor-core GEMV (where x fits), then cuBLAS
+      CAPTURE(cfg.name);
+      CAPTURE(gemv_rows);
+      EngineOptions o = small_opts(gemv_rows);
+      o.max_batch = 64, o.max_bucket = 64, o.kv_budget_bytes = 256ull << 20;
+      Engine e(cfg, o, nullptr);
+      const int V = cfg.vocab_size;
+      for (int batch : {5, 17, 33, 64}) {  // buckets 8, 32 (padded), 64 (padded), 64
+        CAPTURE(batch);
+        const auto prompts = prompts_of(batch, 3, 1, 11, V);
+        std::vector<float> lb;
+        (void)generate(e, prompts, 1, true, &lb);
+        for (int i : {0, batch / 2, batch - 1}) {
+          std::vector<float> la;
+          (void)generate(e, {prompts[i]}, 1, true, &la);  // bucket 1: the CUDA-core GEMV
+          const double r = rel_l2(lb.data() + std::size_t(i) * V, la.data(), std::size_t(V));
+          MESSAGE(cfg.name << " (gemv rows " << gemv_rows << ") batch " << batch << " row " << i
+                           << ": bucket vs batch 1 relative L2 " << r);
+          CHECK(r < 1e-2);
+        }
       }
     }
-  }
 }
 
 TEST_CASE("padding rows and other sequences do not disturb a sequence (paged KV isolation)") {

@@ -199,9 +199,11 @@ TEST_CASE("request checks happen before GPU work") {
   o.kv_budget_bytes = 100;
   CHECK(contains(error_of([&] { o.validate(c); }), "at least 2 are needed"));
   o.kv_budget_bytes = static_cast<std::size_t>(kv_block_bytes(c, 16)) * 9;
+  o.gemv_max_rows = 12;
+  CHECK(contains(error_of([&] { o.validate(c); }), "fused-GEMV bucket must be 0, 1, 2, 4, 8, 16, 32 or 64"));
+  o.gemv_max_rows = 128;
+  CHECK(contains(error_of([&] { o.validate(c); }), "fused-GEMV bucket must be"));
   o.gemv_max_rows = 8;
-  CHECK(contains(error_of([&] { o.validate(c); }), "fused-GEMV bucket must be 0, 1, 2 or 4"));
-  o.gemv_max_rows = 4;
   CHECK(error_of([&] { o.validate(c); }).empty());
   o.kv_budget_bytes = std::size_t(1) << 62;  // a huge budget: the error gives a sane block count
   CHECK(contains(error_of([&] { o.validate(c); }), "at most 2^30 are supported"));
