@@ -15,8 +15,11 @@
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
+#include <utility>
 
 namespace qwen {
 namespace {
@@ -385,7 +388,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 }
 
 // ------------------------------------------------------------------------------------------------
-// Tensor-core GEMV for buckets of 8 to 64 rows
+// Tensor-core GEMV for buckets of 8 and 16 rows
 //
 // The batch is the M side of mma.sync m16n8k16 (x rows, in tiles of 16; rows past B are zero
 // fragments) and eight weight rows the N side (eight gate and eight up rows for silu_mul), so the
@@ -396,11 +399,14 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 // GEMV's epilogue: results do not depend on the grid, and eager and graph runs agree bit for bit.
 // Within a 32-wide step a lane's 16 bytes of a weight row and of an x row feed two mma, so the k
 // order inside the step is permuted the same way for both operands (the dot product does not see
-// it). Weights stream through two register sets of kMmaU steps, the first loaded before the wait.
+// it). Weights stream through a block-wide ring of kMmaStages slots of 8 weight rows x `piece`
+// weights, filled by every thread's 16-byte cp.async (one commit group per slot), the first
+// kMmaStages - 1 before the wait.
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kMmaU = 4;     // 32-wide k steps per warp per register set
-constexpr int kMmaPad = 32;  // elements of padding per staged x row
+constexpr int kMmaPad = 32;     // elements of padding per staged row (x and ring slots)
+constexpr int kMmaStages = 4;   // ring slots per block: kMmaStages - 1 items in flight
+constexpr std::size_t kMmaSmemMax = 226 * 1024;  // dynamic shared memory per block (sm_90: 227 KiB with the static)
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -451,83 +457,71 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
 template <int B, gemv_out MODE, bool NORM>
 __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
                                                                 float* y_f32, bf16* y_bf16, int ldy,
-                                                                unsigned long long* keys) {
+                                                                unsigned long long* keys, int piece) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
-  constexpr int MT = (B + 15) / 16;                    // 16-row batch tiles
-  constexpr int kOut = MT * 128;                      // outputs of a tile (with padded batch rows)
+  constexpr int MT = (B + 15) / 16;                               // 16-row batch tiles
+  constexpr int kOut = MT * 128;                                  // outputs of a tile (with padded batch rows)
   constexpr int kPer = (kOut + kGemvThreads - 1) / kGemvThreads;  // outputs per thread in the epilogue
   extern __shared__ uint4 smem_u4[];
-  const int sx = K + kMmaPad;
-  bf16* xs = reinterpret_cast<bf16*>(smem_u4);                         // [B][sx]
-  float* red = reinterpret_cast<float*>(xs + std::size_t(B) * sx);    // [warp][MT][R][lane][4]
+  const int sx = K + kMmaPad, sw = piece + kMmaPad;              // padded row lengths: x, a slot's weight rows
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);                    // [B][sx]
+  float* red = reinterpret_cast<float*>(xs + std::size_t(B) * sx);  // [warp][MT][R][lane][4]
+  bf16* ring = reinterpret_cast<bf16*>(red + kGemvWarps * MT * R * 128);  // [kMmaStages][R][8][sw]
   __shared__ float rs[B];
   __shared__ unsigned long long skeys[B];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int ntiles = (N + 7) / 8, ksteps = K / 32;
-  const int chunks = (ksteps + kGemvWarps * kMmaU - 1) / (kGemvWarps * kMmaU);  // per warp per tile
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int ntiles = (N + 7) / 8, P = (K + piece - 1) / piece;
+  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int T = my_tiles * P;  // items: (tile, piece) in order
 
-  using Regs = uint4[R][kMmaU];
-  auto load = [&](Regs& w, int tile, int c) {
-    const int n = tile * 8 + g;
-#pragma unroll
-    for (int u = 0; u < kMmaU; ++u) {
-      const int s = warp + kGemvWarps * (c * kMmaU + u);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        w[r][u] = n < N && s < ksteps ? ld_stream(W + (std::size_t(r) * N + n) * K + s * 32 + t * 8)
-                                      : make_uint4(0, 0, 0, 0);
-    }
-  };
-  float acc[MT][R][4];
-  auto clear = [&] {
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][r][i] = 0.f;
-  };
-  auto compute = [&](const Regs& w, int c) {
-#pragma unroll
-    for (int u = 0; u < kMmaU; ++u) {
-      const int s = warp + kGemvWarps * (c * kMmaU + u);
-      if (s < ksteps) {
-        const int k = s * 32 + t * 8;
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          const uint4 lo = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g) * sx + k);
-          uint4 hi = make_uint4(0, 0, 0, 0);
-          if constexpr (B % 16 == 0) hi = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g + 8) * sx + k);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            mma_bf16(acc[m][r], lo.x, hi.x, lo.y, hi.y, w[r][u].x, w[r][u].y);
-            mma_bf16(acc[m][r], lo.z, hi.z, lo.w, hi.w, w[r][u].z, w[r][u].w);
-          }
-        }
+  // Every thread: its 16-byte pieces of item t (8 weight rows, gate and up rows for silu_mul, k from
+  // k0 for up to `piece`) into slot s's padded rows, one commit group per item (empty past the last,
+  // so that the group count stays uniform). Rows past N are not copied (their outputs are never
+  // stored), nor k past K (those k steps are skipped).
+  auto issue = [&](int t, int s) {
+    if (t < T) {
+      const int n0 = (blockIdx.x + (t / P) * gridDim.x) * 8, k0 = (t % P) * piece;
+      const int cpr = min(piece, K - k0) / 8;  // 16-byte pieces per row
+      for (int i = tid; i < R * 8 * cpr; i += kGemvThreads) {
+        const int row = i / cpr, c = i - row * cpr, r = row >> 3, n = n0 + (row & 7);
+        if (n < N)
+          cp_async16(ring + (std::size_t(s) * R * 8 + row) * sw + c * 8, W + (std::size_t(r) * N + n) * K + k0 + c * 8);
       }
     }
+    cp_async_commit();
   };
+
+  float acc[MT][R][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][r][i] = 0.f;
   float best_v[kPer];
   int best_i[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) best_v[j] = -INFINITY, best_i[j] = 0x7fffffff;
+
   // A tile is complete: the warps' partial tiles summed in warp order, then the epilogue. Output e of
   // a tile is element e % 4 of lane (e / 4) % 32's fragment of batch tile e / 128.
-  auto finish = [&](int tile) {
+  auto finish = [&](int n0) {
     float4* rw = reinterpret_cast<float4*>(red);
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
         rw[((warp * MT + m) * R + r) * 32 + lane] = make_float4(acc[m][r][0], acc[m][r][1], acc[m][r][2], acc[m][r][3]);
-    clear();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][r][i] = 0.f;
+      }
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int e = tid + j * kGemvThreads;
       if (kOut % kGemvThreads == 0 || e < kOut) {
         const int m = e / 128, ln = (e / 4) % 32, i = e % 4;
-        const int b = m * 16 + (ln >> 2) + (i >= 2 ? 8 : 0), n = tile * 8 + (ln & 3) * 2 + (i & 1);
+        const int b = m * 16 + (ln >> 2) + (i >= 2 ? 8 : 0), n = n0 + (ln & 3) * 2 + (i & 1);
         float a[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -545,34 +539,39 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
     __syncthreads();
   };
 
-  clear();
-  Regs wa, wb;
-  int tile = blockIdx.x, c = 0;
-  auto advance = [&](int& tl, int& cc) {
-    if (++cc == chunks) cc = 0, tl += gridDim.x;
-  };
   replay::pdl::launch_dependents();
-  load(wa, tile, c);  // weights do not depend on earlier kernels
+  for (int t = 0; t < kMmaStages - 1; ++t) issue(t, t);  // weights do not depend on earlier kernels
   replay::pdl::wait();
   stage_x_rows<B, NORM>(in, K, xs, sx, rs);
-  __syncthreads();
-  int t2 = tile, c2 = c;
-  advance(t2, c2);
-  // Two chunks per trip, so that the register sets never swap (no dynamic indexing). Every warp
-  // walks the same (tile, chunk) sequence, so the block reaches finish() together.
-  while (tile < ntiles) {
-    load(wb, t2, c2);
-    compute(wa, c);
-    if (c == chunks - 1) finish(tile);
-    tile = t2, c = c2;
-    advance(t2, c2);
-    if (tile >= ntiles) break;
-    load(wa, t2, c2);
-    compute(wb, c);
-    if (c == chunks - 1) finish(tile);
-    tile = t2, c = c2;
-    advance(t2, c2);
+
+  for (int t = 0; t < T; ++t) {
+    const int p = t % P, k0 = p * piece, kw = min(piece, K - k0);
+    cp_async_wait<kMmaStages - 2>();  // this thread's pieces of item t have landed
+    __syncthreads();                  // everyone's have (and x is staged, and slot t - 1 is free)
+    issue(t + kMmaStages - 1, (t + kMmaStages - 1) % kMmaStages);
+    const bf16* slot = ring + std::size_t(t % kMmaStages) * R * 8 * sw;
+    // Warp w takes the 32-wide k steps w, w + 8, ... of the piece: per step and batch tile, a lane's
+    // 16 bytes of x (rows g and g + 8) and of weight row g feed two mma.
+    for (int ks = warp * 32; ks < kw; ks += kGemvWarps * 32) {
+      const int k = ks + t4 * 8;
+      uint4 w[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) w[r] = *reinterpret_cast<const uint4*>(slot + std::size_t(r * 8 + g) * sw + k);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const uint4 lo = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g) * sx + k0 + k);
+        uint4 hi = make_uint4(0, 0, 0, 0);
+        if constexpr (B % 16 == 0) hi = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g + 8) * sx + k0 + k);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          mma_bf16(acc[m][r], lo.x, hi.x, lo.y, hi.y, w[r].x, w[r].y);
+          mma_bf16(acc[m][r], lo.z, hi.z, lo.w, hi.w, w[r].z, w[r].w);
+        }
+      }
+    }
+    if (p == P - 1) finish((blockIdx.x + (t / P) * gridDim.x) * 8);
   }
+  cp_async_wait<0>();
   if constexpr (MODE == gemv_out::argmax) {
     if (tid < B) skeys[tid] = 0;
     __syncthreads();
@@ -587,10 +586,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
   }
 }
 
-/// Dynamic shared memory of the tensor-core GEMV: padded x rows and the warps' partial tiles.
-std::size_t mma_shared_bytes(int rows, int K) {
-  const int R = 2, MT = (rows + 15) / 16;  // R = 2 (silu_mul) at most: one size for every mode
-  return std::size_t(rows) * (K + kMmaPad) * sizeof(bf16) + std::size_t(kGemvWarps) * MT * R * 128 * sizeof(float);
+/// The tensor-core GEMV's shared memory: padded x rows, the warps' partial tiles and `slots` ring
+/// slots of 8 (R = 2: 16) `piece`-wide weight rows.
+std::size_t mma_shared_bytes(int rows, int K, int R, int piece, int slots) {
+  const int MT = (rows + 15) / 16;
+  return std::size_t(rows) * (K + kMmaPad) * sizeof(bf16) + std::size_t(kGemvWarps) * MT * R * 128 * sizeof(float) +
+         std::size_t(slots) * R * 8 * (piece + kMmaPad) * sizeof(bf16);
 }
 
 constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x in shared memory: B * K bf16 at most
@@ -627,9 +628,7 @@ void with_mma(int rows, gemv_out mode, F&& f) {
   switch (rows) {
     case 8: return by_mode<Mma, 8>(mode, f);
     case 16: return by_mode<Mma, 16>(mode, f);
-    case 32: return by_mode<Mma, 32>(mode, f);
-    case 64: return by_mode<Mma, 64>(mode, f);
-    default: throw replay::usage_error("qwen::gemv: rows must be 8, 16, 32 or 64 for the tensor-core GEMV");
+    default: throw replay::usage_error("qwen::gemv: rows must be 8 or 16 for the tensor-core GEMV");
   }
 }
 template <int B, gemv_out M, bool N>
@@ -652,8 +651,30 @@ void check_linear(const Linear& op, int rows) {
     throw replay::usage_error("qwen::gemv: W must be 16-byte aligned");
   if ((op.in.norm_w != nullptr) != (op.mode != gemv_out::add_f32))
     throw replay::usage_error("qwen::gemv: residual-add projections read bf16 x; the others the normalised residual");
-  if (std::size_t(rows) * op.K * sizeof(bf16) > kMaxStageBytes)
+  if (rows <= kGemvMaxRows && std::size_t(rows) * op.K * sizeof(bf16) > kMaxStageBytes)
     throw replay::usage_error("qwen::gemv: rows * K too large for the shared-memory stage");
+}
+
+struct MmaLayout {
+  int piece = 0;          // weights per row per slot
+  std::size_t bytes = 0;  // dynamic shared memory
+};
+
+/// The tensor-core GEMV's ring for (rows, op): the widest piece (1024, 512 or 256 weights per row;
+/// wider pieces stream faster) whose kMmaStages slots fit beside x; within kRingSmemBudget (so that
+/// the next kernel's block fits beside it) where a piece of 1024 does, else kMmaSmemMax. nullopt
+/// where x leaves no room.
+std::optional<MmaLayout> mma_layout(const Linear& op, int rows) {
+  if (op.K % 32 != 0) return std::nullopt;
+  const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
+  const std::pair<std::size_t, int> tries[] = {{kRingSmemBudget, 1024}, {kMmaSmemMax, 1024}, {kMmaSmemMax, 512},
+                                               {kMmaSmemMax, 256}};
+  for (const auto& [budget, piece] : tries) {
+    const int pc = piece < op.K ? piece : op.K;
+    const std::size_t bytes = mma_shared_bytes(rows, op.K, R, pc, kMmaStages);
+    if (bytes <= budget) return MmaLayout{pc, bytes};
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -661,7 +682,8 @@ void check_linear(const Linear& op, int rows) {
 bool gemv_fits(const Linear& op, int rows) {
   if (rows < 1 || rows > kMmaMaxRows || (rows & (rows - 1)) != 0) return false;
   if (rows <= kGemvMaxRows) return std::size_t(rows) * op.K * sizeof(bf16) <= kMaxStageBytes;
-  return op.K % 32 == 0 && mma_shared_bytes(rows, op.K) <= kMaxStageBytes;
+  const std::size_t wbytes = std::size_t(op.mode == gemv_out::silu_mul ? 2 : 1) * op.N * op.K * sizeof(bf16);
+  return wbytes <= kMmaMaxBytes && mma_layout(op, rows).has_value();
 }
 
 GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
@@ -669,16 +691,14 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
   const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
   GemvPlan p;
   if (rows > kGemvMaxRows) {
-    if (!gemv_fits(op, rows)) throw replay::usage_error("qwen::gemv: rows * K too large for the tensor-core GEMV");
-    // One tile of 8 weight rows per block at a time; the grid is capped at what is resident at once.
+    const auto l = mma_layout(op, rows);
+    if (!l) throw replay::usage_error("qwen::gemv: rows * K too large for the tensor-core GEMV");
+    // One block per SM (at most one per 8-row tile), as the ring GEMV.
     p.kind = GemvPlan::kernel::mma;
-    p.shared_bytes = mma_shared_bytes(rows, op.K);
-    int per_sm = 0;
-    with_mma(rows, op.mode, [&](auto kernel) {
-      REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, p.shared_bytes));
-    });
-    const int cap = (per_sm < 1 ? 1 : per_sm) * num_sms, tiles = (op.N + 7) / 8;
-    p.grid = tiles < cap ? tiles : cap;
+    p.shared_bytes = l->bytes;
+    p.piece = l->piece;
+    const int tiles = (op.N + 7) / 8;
+    p.grid = tiles < num_sms ? tiles : num_sms;
     return p;
   }
   // Ring: one block per SM (at most one per row), slots per warp from the shared memory left after
@@ -742,7 +762,7 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
       break;
     case GemvPlan::kernel::mma:
       with_mma(rows, op.mode, [&](auto k) {
-        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
       });
       break;
   }
@@ -763,9 +783,14 @@ void init_gemv_attributes() {
       with_gemv<Pipelined>(rows, m, attrs);
       with_gemv<PipelinedDeep>(rows, m, attrs);
     }
-  for (int rows : {8, 16, 32, 64})
+  auto mma_attrs = [](auto kernel) {
+    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMmaSmemMax)));
+    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  };
+  for (int rows : {8, 16})
     for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32})
-      with_mma(rows, m, attrs);
+      with_mma(rows, m, mma_attrs);
 }
 
 }  // namespace qwen

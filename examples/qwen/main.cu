@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Qwen3-style decoder with a paged KV cache: eager and CUDA-graph decode"};
   std::string preset = "qwen3-0.6b", model_dir, prompt_s, mode = "both", json_path, dump_logits;
   long long random_prompt_n = 0, seed_arg = 1234;
-  int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 64;
+  int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 16;
   int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0;
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
@@ -278,7 +278,7 @@ int main(int argc, char** argv) {
   app.add_option("--kv-mem-mb", kv_mb, "KV cache memory budget in MiB");
   app.add_option("--max-context", max_context, "tokens per sequence at most (prompt + generation)");
   app.add_option("--max-bucket", max_bucket, "largest graph bucket (batch rows)");
-  app.add_option("--gemv-max-rows", gemv_max_rows, "largest bucket on the fused GEMV: 0, 1, 2, 4, 8, 16, 32 or 64 (larger: cuBLAS)");
+  app.add_option("--gemv-max-rows", gemv_max_rows, "largest bucket on the fused GEMV: 0, 1, 2, 4, 8 or 16 (larger: cuBLAS)");
   app.add_flag("--no-eager-fallback", no_fallback, "fail instead of running batches above the largest bucket eagerly");
   app.add_option("--teacher-force", teacher_force,
                  "parity mode: prefill the first N prompt tokens, then feed the rest one per step");

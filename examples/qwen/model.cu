@@ -441,7 +441,7 @@ struct Engine::Impl {
         case GemvPlan::kernel::ring: return fmt::format("ring({})", p->slots);
         case GemvPlan::kernel::pipelined: return "pipelined";
         case GemvPlan::kernel::pipelined_deep: return "pipelined-deep";
-        case GemvPlan::kernel::mma: return "mma";
+        case GemvPlan::kernel::mma: return fmt::format("mma({})", p->piece);
       }
       return "?";
     };

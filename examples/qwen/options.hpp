@@ -26,7 +26,7 @@ struct EngineOptions {
   int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
-  int gemv_max_rows = 64;                    ///< largest bucket on the fused GEMV (0 or a power of two up to 64); larger: cuBLAS
+  int gemv_max_rows = 16;                    ///< largest bucket on the fused GEMV (0, 1, 2, 4, 8, 16); larger: cuBLAS
   int attn_min_chunk = 128;                  ///< split-KV attention: positions per block at least (multiple of 64)
 
   /// KV blocks the budget buys for this config.
@@ -44,8 +44,8 @@ struct EngineOptions {
       throw input_error(fmt::format("max context {} exceeds the model's max_position_embeddings {}", max_context,
                                     c.max_position_embeddings));
     if (prefill_chunk < 1) throw input_error("prefill chunk must be positive");
-    if (gemv_max_rows < 0 || gemv_max_rows > 64 || (gemv_max_rows & (gemv_max_rows - 1)) != 0)
-      throw input_error("largest fused-GEMV bucket must be 0, 1, 2, 4, 8, 16, 32 or 64");
+    if (gemv_max_rows < 0 || gemv_max_rows > 16 || (gemv_max_rows & (gemv_max_rows - 1)) != 0)
+      throw input_error("largest fused-GEMV bucket must be 0, 1, 2, 4, 8 or 16");
     if (attn_min_chunk < 64 || attn_min_chunk % 64 != 0)
       throw input_error("attention's minimum chunk must be a positive multiple of 64");
     const std::int64_t nb = kv_blocks(c);
