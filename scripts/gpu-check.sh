@@ -79,15 +79,18 @@ fi
 
 if has qwen; then
   "$qw" --preset tiny --demo --dump-graph "$out/qwen-graph.json" 2>&1 | tail -3 | tee -a "$sum"
-  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny --batch 2 \
-    --gen 4 --mode both >"$out/racecheck-qwen.log" 2>&1
-  grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen.log" | sed 's/^/racecheck qwen: /' | tee -a "$sum"
+  for b in 2 8; do  # bucket 2: the CUDA-core GEMV; bucket 8: the tensor-core GEMV
+    timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny --batch $b \
+      --gen 4 --mode both >"$out/racecheck-qwen-b$b.log" 2>&1
+    grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-b$b.log" | sed "s/^/racecheck qwen batch $b: /" | tee -a "$sum"
+  done
   if python3 -c 'import transformers' 2>/dev/null; then
     python3 examples/qwen/parity.py --bin "$qw" --out "$out/qwen-parity.json" >"$out/qwen-parity.log" 2>&1
     tail -6 "$out/qwen-parity.log" | tee -a "$sum"
   fi
   for p in qwen3-0.6b qwen3-4b; do
-    "$qw" --preset "$p" --bench --gen "$steps" --json "$out/qwen-bench-$p.json" >"$out/qwen-bench-$p.txt" 2>&1
+    "$qw" --preset "$p" --bench --gen "$steps" --bench-batches 1,8,16,32,64 --json "$out/qwen-bench-$p.json" \
+      >"$out/qwen-bench-$p.txt" 2>&1
     grep -vE "^  seq|^\[" "$out/qwen-bench-$p.txt" | tail -40 >>"$sum"
   done
 fi

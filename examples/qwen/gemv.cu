@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
-#include <utility>
 
 namespace qwen {
 namespace {
@@ -407,6 +406,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 constexpr int kMmaPad = 32;     // elements of padding per staged row (x and ring slots)
 constexpr int kMmaStages = 4;   // ring slots per block: kMmaStages - 1 items in flight
 constexpr std::size_t kMmaSmemMax = 226 * 1024;  // dynamic shared memory per block (sm_90: 227 KiB with the static)
+constexpr std::size_t kSmemPerSm = 228 * 1024;   // shared memory per SM (sm_90), 1 KiB of it reserved per block
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -475,17 +475,19 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
   const int T = my_tiles * P;  // items: (tile, piece) in order
 
   // Every thread: its 16-byte pieces of item t (8 weight rows, gate and up rows for silu_mul, k from
-  // k0 for up to `piece`) into slot s's padded rows, one commit group per item (empty past the last,
-  // so that the group count stays uniform). Rows past N are not copied (their outputs are never
-  // stored), nor k past K (those k steps are skipped).
+  // k0 for up to `piece`) into slot s's padded rows, kTpr threads per row; one commit group per item
+  // (empty past the last, so that the group count stays uniform). Rows past N are not copied (their
+  // outputs are never stored), nor k past K (those k steps are skipped).
+  constexpr int kTpr = kGemvThreads / (8 * R);
+  const int crow = tid / kTpr, cr = crow >> 3, cc = tid % kTpr;
   auto issue = [&](int t, int s) {
     if (t < T) {
-      const int n0 = (blockIdx.x + (t / P) * gridDim.x) * 8, k0 = (t % P) * piece;
+      const int n = (blockIdx.x + (t / P) * gridDim.x) * 8 + (crow & 7), k0 = (t % P) * piece;
       const int cpr = min(piece, K - k0) / 8;  // 16-byte pieces per row
-      for (int i = tid; i < R * 8 * cpr; i += kGemvThreads) {
-        const int row = i / cpr, c = i - row * cpr, r = row >> 3, n = n0 + (row & 7);
-        if (n < N)
-          cp_async16(ring + (std::size_t(s) * R * 8 + row) * sw + c * 8, W + (std::size_t(r) * N + n) * K + k0 + c * 8);
+      if (n < N) {
+        bf16* dst = ring + (std::size_t(s) * R * 8 + crow) * sw;
+        const bf16* src = W + (std::size_t(cr) * N + n) * K + k0;
+        for (int c = cc; c < cpr; c += kTpr) cp_async16(dst + c * 8, src + c * 8);
       }
     }
     cp_async_commit();
@@ -661,18 +663,15 @@ struct MmaLayout {
 };
 
 /// The tensor-core GEMV's ring for (rows, op): the widest piece (1024, 512 or 256 weights per row;
-/// wider pieces stream faster) whose kMmaStages slots fit beside x; within kRingSmemBudget (so that
-/// the next kernel's block fits beside it) where a piece of 1024 does, else kMmaSmemMax. nullopt
-/// where x leaves no room.
+/// wider pieces stream faster) whose kMmaStages slots fit beside x within kMmaSmemMax. nullopt
+/// where none does.
 std::optional<MmaLayout> mma_layout(const Linear& op, int rows) {
   if (op.K % 32 != 0) return std::nullopt;
   const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
-  const std::pair<std::size_t, int> tries[] = {{kRingSmemBudget, 1024}, {kMmaSmemMax, 1024}, {kMmaSmemMax, 512},
-                                               {kMmaSmemMax, 256}};
-  for (const auto& [budget, piece] : tries) {
+  for (int piece : {1024, 512, 256}) {
     const int pc = piece < op.K ? piece : op.K;
     const std::size_t bytes = mma_shared_bytes(rows, op.K, R, pc, kMmaStages);
-    if (bytes <= budget) return MmaLayout{pc, bytes};
+    if (bytes <= kMmaSmemMax) return MmaLayout{pc, bytes};
   }
   return std::nullopt;
 }
@@ -682,8 +681,7 @@ std::optional<MmaLayout> mma_layout(const Linear& op, int rows) {
 bool gemv_fits(const Linear& op, int rows) {
   if (rows < 1 || rows > kMmaMaxRows || (rows & (rows - 1)) != 0) return false;
   if (rows <= kGemvMaxRows) return std::size_t(rows) * op.K * sizeof(bf16) <= kMaxStageBytes;
-  const std::size_t wbytes = std::size_t(op.mode == gemv_out::silu_mul ? 2 : 1) * op.N * op.K * sizeof(bf16);
-  return wbytes <= kMmaMaxBytes && mma_layout(op, rows).has_value();
+  return mma_layout(op, rows).has_value();
 }
 
 GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
@@ -693,12 +691,15 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
   if (rows > kGemvMaxRows) {
     const auto l = mma_layout(op, rows);
     if (!l) throw replay::usage_error("qwen::gemv: rows * K too large for the tensor-core GEMV");
-    // One block per SM (at most one per 8-row tile), as the ring GEMV.
+    // Two blocks per SM where they fit, else one (at most one per 8-row tile). A block's warps move
+    // through the ring in lockstep (a barrier per slot), so a second block on the SM keeps its loads
+    // going meanwhile.
     p.kind = GemvPlan::kernel::mma;
     p.shared_bytes = l->bytes;
     p.piece = l->piece;
+    const int per_sm = 2 * (l->bytes + 2048) <= kSmemPerSm ? 2 : 1;
     const int tiles = (op.N + 7) / 8;
-    p.grid = tiles < num_sms ? tiles : num_sms;
+    p.grid = tiles < per_sm * num_sms ? tiles : per_sm * num_sms;
     return p;
   }
   // Ring: one block per SM (at most one per row), slots per warp from the shared memory left after

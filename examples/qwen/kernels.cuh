@@ -47,11 +47,10 @@ struct KvPool {
 
 /// Rows (batch rows of one step) of the CUDA-core GEMV (1, 2, 4): at 8 rows its per-row arithmetic
 /// (unpacking x for every weight chunk) would cost more than the weights take to read. Buckets of 8
-/// and 16 rows run the tensor-core GEMV (the batch as the M side of mma.sync) for matrices up to
-/// kMmaMaxBytes; larger matrices and buckets use cuBLAS (model.cu), which streams them faster.
+/// and 16 rows run the tensor-core GEMV (the batch as the M side of mma.sync) where x leaves room
+/// for two blocks per SM; other matrices and larger buckets use cuBLAS (model.cu).
 inline constexpr int kGemvMaxRows = 4;
 inline constexpr int kMmaMaxRows = 16;
-inline constexpr std::size_t kMmaMaxBytes = std::size_t(16) << 20;
 
 /// What the fused GEMV does with y = W·x (per batch row b, output row n).
 enum class gemv_out {
@@ -92,8 +91,8 @@ struct GemvPlan {
 };
 
 /// Whether the fused GEMV serves `op` at `rows` rows: rows a power of two up to kMmaMaxRows and x
-/// ([rows][K] bf16) within its shared-memory stage; from 8 rows also K a multiple of 32 and W at
-/// most kMmaMaxBytes.
+/// ([rows][K] bf16) within its shared-memory stage (from 8 rows: with two blocks per SM, and K a
+/// multiple of 32).
 bool gemv_fits(const Linear& op, int rows);
 /// Picks the kernel and grid for `op` at `rows` batch rows on a GPU of `num_sms` SMs (queries the
 /// kernels' occupancy; host only, call at setup).

@@ -6,9 +6,9 @@
 //                  and read) -> O GEMV + residual -> gate/up GEMV (RMSNorm folded in) + SiLU*up
 //                  -> down GEMV + residual ] -> lm_head GEMV (final RMSNorm folded in) + argmax
 // Buckets of up to EngineOptions::gemv_max_rows rows run the fused GEMV (1-4 rows on the CUDA
-// cores; 8 and 16 on the tensor cores, for matrices up to 16 MiB); the other projections of those
-// buckets, larger buckets and prefill run cuBLAS GEMMs with separate RMSNorm / SiLU*up / argmax
-// kernels.
+// cores; 8 and 16 on the tensor cores where x leaves room for its ring); the other projections of
+// those buckets, larger buckets and prefill run cuBLAS GEMMs with separate RMSNorm / SiLU*up /
+// argmax kernels.
 //
 // Static: weights, the KV pool, and every buffer (one replay::static_arena), allocated once.
 // Paged: K/V, addressed through per-sequence block tables.
