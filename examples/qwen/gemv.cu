@@ -6,9 +6,9 @@
 // loads of W, fp32 accumulation and a warp reduction, then the epilogue of the Linear's mode:
 // store, residual add (a red.global.add: no thread waits for the old value), SiLU(gate)·up of the
 // stacked gate/up matrix, or logits + argmax. Weights are loaded before pdl::wait().
-// Up to 4 rows, two kernels on the CUDA cores: the ring GEMV for matrices whose per-warp share fits
+// At batch 1, two kernels on the CUDA cores: the ring GEMV for matrices whose per-warp share fits
 // shared memory, the pipelined GEMV elsewhere (plan_gemv); both multiply in the same order, so their
-// results are bit-identical. From 8 rows, the tensor-core GEMV (same inputs and epilogues).
+// results are bit-identical. From 2 rows, the tensor-core GEMV (same inputs and epilogues).
 #include "kernels.cuh"
 #include "device.cuh"
 
@@ -198,7 +198,7 @@ __device__ __forceinline__ void gemv_argmax_block(const float (&best_v)[B], cons
 // sets, so it always has U 16-byte loads per lane in flight. Chunk 0 (PRE = 1) or chunks 0 and 1
 // (PRE = 2, "deep") are loaded before pdl::wait(): weights do not depend on earlier kernels. PRE = 2
 // keeps both register sets live across the x staging (fewer resident blocks), which pays only for
-// large matrices with long rows at 1-2 batch rows (plan_gemv).
+// large matrices with long rows (plan_gemv).
 // ------------------------------------------------------------------------------------------------
 
 template <int B, gemv_out MODE, bool NORM, int U, int PRE>
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 }
 
 // ------------------------------------------------------------------------------------------------
-// Tensor-core GEMV for buckets of 8 and 16 rows
+// Tensor-core GEMV for buckets of 2 to 16 rows
 //
 // The batch is the M side of mma.sync m16n8k16 (x rows, in tiles of 16; rows past B are zero
 // fragments) and eight weight rows the N side (eight gate and eight up rows for silu_mul), so the
@@ -561,8 +561,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
       for (int r = 0; r < R; ++r) w[r] = *reinterpret_cast<const uint4*>(slot + std::size_t(r * 8 + g) * sw + k);
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        const uint4 lo = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g) * sx + k0 + k);
-        uint4 hi = make_uint4(0, 0, 0, 0);
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+        if (B >= 8 || g < B) lo = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g) * sx + k0 + k);
         if constexpr (B % 16 == 0) hi = *reinterpret_cast<const uint4*>(xs + std::size_t(m * 16 + g + 8) * sx + k0 + k);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -610,16 +610,12 @@ void by_mode(gemv_out mode, F&& f) {
     case gemv_out::add_f32: return f(Pick<B, gemv_out::add_f32, false>::kernel);
   }
 }
-/// The runtime (rows, mode) to a template instance: the CUDA-core GEMVs (Pick) for 1, 2 and 4 rows,
-/// the tensor-core GEMV for 8 to 64.
+/// The runtime (rows, mode) to a template instance: the CUDA-core GEMVs (Pick) for 1 row, the
+/// tensor-core GEMV (with_mma) for 2 to 16.
 template <template <int, gemv_out, bool> class Pick, class F>
 void with_gemv(int rows, gemv_out mode, F&& f) {
-  switch (rows) {
-    case 1: return by_mode<Pick, 1>(mode, f);
-    case 2: return by_mode<Pick, 2>(mode, f);
-    case 4: return by_mode<Pick, 4>(mode, f);
-    default: throw replay::usage_error("qwen::gemv: rows must be 1, 2 or 4 for the CUDA-core GEMV");
-  }
+  if (rows != 1) throw replay::usage_error("qwen::gemv: the CUDA-core GEMV serves 1 row");
+  by_mode<Pick, 1>(mode, f);
 }
 template <int B, gemv_out M, bool N>
 struct Mma {
@@ -628,9 +624,11 @@ struct Mma {
 template <class F>
 void with_mma(int rows, gemv_out mode, F&& f) {
   switch (rows) {
+    case 2: return by_mode<Mma, 2>(mode, f);
+    case 4: return by_mode<Mma, 4>(mode, f);
     case 8: return by_mode<Mma, 8>(mode, f);
     case 16: return by_mode<Mma, 16>(mode, f);
-    default: throw replay::usage_error("qwen::gemv: rows must be 8 or 16 for the tensor-core GEMV");
+    default: throw replay::usage_error("qwen::gemv: rows must be 2, 4, 8 or 16 for the tensor-core GEMV");
   }
 }
 template <int B, gemv_out M, bool N>
@@ -721,11 +719,10 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
     p.slots = ns;
     return p;
   }
-  // Pipelined: both register sets loaded before the wait for 1-2 batch rows, rows of three chunks
-  // or more and a matrix of 16 MiB or more (where the round trip it hides costs more than the
-  // resident block it loses).
-  const bool deep = rows <= 2 && (op.K + 1023) / 1024 >= 3 &&
-                    std::size_t(op.N) * R * op.K * sizeof(bf16) >= (16u << 20);
+  // Pipelined: both register sets loaded before the wait for rows of three chunks or more and a
+  // matrix of 16 MiB or more (where the round trip it hides costs more than the resident block it
+  // loses).
+  const bool deep = (op.K + 1023) / 1024 >= 3 && std::size_t(op.N) * R * op.K * sizeof(bf16) >= (16u << 20);
   p.kind = deep ? GemvPlan::kernel::pipelined_deep : GemvPlan::kernel::pipelined;
   p.shared_bytes = xbytes;
   int per_sm = 0;
@@ -778,18 +775,17 @@ void init_gemv_attributes() {
     REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   };
-  for (int rows : {1, 2, 4})
-    for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
-      with_gemv<Ring>(rows, m, attrs);
-      with_gemv<Pipelined>(rows, m, attrs);
-      with_gemv<PipelinedDeep>(rows, m, attrs);
-    }
+  for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
+    with_gemv<Ring>(1, m, attrs);
+    with_gemv<Pipelined>(1, m, attrs);
+    with_gemv<PipelinedDeep>(1, m, attrs);
+  }
   auto mma_attrs = [](auto kernel) {
     REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMmaSmemMax)));
     REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   };
-  for (int rows : {8, 16})
+  for (int rows : {2, 4, 8, 16})
     for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32})
       with_mma(rows, m, mma_attrs);
 }

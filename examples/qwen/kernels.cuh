@@ -45,11 +45,11 @@ struct KvPool {
 
 // ---- GEMV (gemv.cu) --------------------------------------------------------------------------------
 
-/// Rows (batch rows of one step) of the CUDA-core GEMV (1, 2, 4): at 8 rows its per-row arithmetic
-/// (unpacking x for every weight chunk) would cost more than the weights take to read. Buckets of 8
-/// and 16 rows run the tensor-core GEMV (the batch as the M side of mma.sync) where x leaves room
-/// for two blocks per SM; other matrices and larger buckets use cuBLAS (model.cu).
-inline constexpr int kGemvMaxRows = 4;
+/// Rows (batch rows of one step) of the CUDA-core GEMV: batch 1. From 2 rows its per-row arithmetic
+/// (unpacking x for every weight chunk) costs more than the tensor-core GEMV (the batch as the M
+/// side of mma.sync), which serves buckets of 2 to kMmaMaxRows rows where x leaves room for its
+/// ring; other matrices and larger buckets use cuBLAS (model.cu).
+inline constexpr int kGemvMaxRows = 1;
 inline constexpr int kMmaMaxRows = 16;
 
 /// What the fused GEMV does with y = W·x (per batch row b, output row n).

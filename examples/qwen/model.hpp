@@ -5,8 +5,8 @@
 //   embed -> L x [ QKV GEMV (input RMSNorm folded in) -> attention (q/k norm, RoPE, paged KV write
 //                  and read) -> O GEMV + residual -> gate/up GEMV (RMSNorm folded in) + SiLU*up
 //                  -> down GEMV + residual ] -> lm_head GEMV (final RMSNorm folded in) + argmax
-// Buckets of up to EngineOptions::gemv_max_rows rows run the fused GEMV (1-4 rows on the CUDA
-// cores; 8 and 16 on the tensor cores where x leaves room for its ring); the other projections of
+// Buckets of up to EngineOptions::gemv_max_rows rows run the fused GEMV (batch 1 on the CUDA cores;
+// 2 to 16 rows on the tensor cores where x leaves room for its ring); the other projections of
 // those buckets, larger buckets and prefill run cuBLAS GEMMs with separate RMSNorm / SiLU*up /
 // argmax kernels.
 //
