@@ -15,10 +15,8 @@
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 
 namespace qwen {
 namespace {
@@ -417,7 +415,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
 }
 
 /// stage_x for the tensor-core GEMV: one warp per row computes the RMS scale (rs), then every thread
-/// writes 8-element pieces of any row (no per-row registers, so B can be 64).
+/// writes 8-element pieces of any row (no per-row registers).
 template <int B, bool NORM>
 __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, int sx, float (&rs)[B]) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
