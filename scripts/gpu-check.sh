@@ -79,7 +79,7 @@ fi
 
 if has qwen; then
   "$qw" --preset tiny --demo --dump-graph "$out/qwen-graph.json" 2>&1 | tail -3 | tee -a "$sum"
-  for b in 2 8; do  # bucket 2: the CUDA-core GEMV; bucket 8: the tensor-core GEMV
+  for b in 1 2 8; do  # batch 1: the CUDA-core GEMV; 2 and 8: the tensor-core GEMV (padded and full batch tile)
     timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny --batch $b \
       --gen 4 --mode both >"$out/racecheck-qwen-b$b.log" 2>&1
     grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-b$b.log" | sed "s/^/racecheck qwen batch $b: /" | tee -a "$sum"

@@ -91,8 +91,8 @@ struct GemvPlan {
 };
 
 /// Whether the fused GEMV serves `op` at `rows` rows: rows a power of two up to kMmaMaxRows and x
-/// ([rows][K] bf16) within its shared-memory stage (from 8 rows: with two blocks per SM, and K a
-/// multiple of 32).
+/// ([rows][K] bf16) within its shared-memory stage (from 2 rows: K a multiple of 32 and x leaving
+/// room for the tensor-core GEMV's ring).
 bool gemv_fits(const Linear& op, int rows);
 /// Picks the kernel and grid for `op` at `rows` batch rows on a GPU of `num_sms` SMs (queries the
 /// kernels' occupancy; host only, call at setup).
