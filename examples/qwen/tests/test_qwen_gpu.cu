@@ -1,9 +1,9 @@
 // GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the fused
 // GEMV (CUDA-core and tensor-core) agrees with cuBLAS; paged KV keeps sequences apart across
 // buckets; decode agrees with prefill, also with split-KV at long context; every supported head
-// shape (head_dim 64 and 128, 1..8 query heads per kv head) runs; the device loop (decode_loop) gives the per-step graph path's tokens for
-// any tokens per launch, stops on a stop token inside a launch and at the end of the context; bad
-// input is rejected before any launch.
+// shape (head_dim 64 and 128, 1..8 query heads per kv head) runs; the device loop (decode_loop)
+// gives the per-step graph path's tokens for any tokens per launch, stops on a stop token inside a
+// launch and at the end of the context; bad input is rejected before any launch.
 #include <doctest/doctest.h>
 
 #include "gpu_test.hpp"
