@@ -768,24 +768,19 @@ void init_gemv_attributes() {
   // Every kernel of the step asks for the most shared memory (one L1/shared split): an SM runs
   // blocks of kernels with one configuration at a time, so differing splits would not overlap
   // under PDL.
-  auto attrs = [](auto kernel) {
-    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxStageBytes)));
-    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  auto attrs = [](std::size_t max_dynamic) {
+    return [max_dynamic](auto kernel) {
+      REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_dynamic)));
+      REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+    };
   };
   for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
-    with_gemv<Ring>(1, m, attrs);
-    with_gemv<Pipelined>(1, m, attrs);
-    with_gemv<PipelinedDeep>(1, m, attrs);
+    with_gemv<Ring>(1, m, attrs(kMaxStageBytes));
+    with_gemv<Pipelined>(1, m, attrs(kMaxStageBytes));
+    with_gemv<PipelinedDeep>(1, m, attrs(kMaxStageBytes));
+    for (int rows : {2, 4, 8, 16}) with_mma(rows, m, attrs(kMmaSmemMax));
   }
-  auto mma_attrs = [](auto kernel) {
-    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMmaSmemMax)));
-    REPLAY_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  };
-  for (int rows : {2, 4, 8, 16})
-    for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32})
-      with_mma(rows, m, mma_attrs);
 }
 
 }  // namespace qwen
