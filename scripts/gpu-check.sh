@@ -9,7 +9,7 @@
 #             the PDL chain test, the launch_overhead demo
 #   nanogpt   the NanoGPT CLI: default run with the device loop, --dump-graph, --bench (per-token
 #             table), parity against PyTorch (when torch is installed)
-#   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on a reduced case, parity.py
+#   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on reduced cases, parity.py
 #             against transformers (when installed), --bench for the 0.6B and 4B shapes
 #   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
 #   suite     every benchmark program through benchmarks/run.sh (JSON only)
@@ -84,12 +84,18 @@ if has qwen; then
       --gen 4 --mode both >"$out/racecheck-qwen-b$b.log" 2>&1
     grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-b$b.log" | sed "s/^/racecheck qwen batch $b: /" | tee -a "$sum"
   done
+  # Split-KV attention with 16 lanes per position (head_dim 128, 4 query heads per kv head).
+  t0=$SECONDS
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$build/examples/qwen/qwen_gpu" \
+    -tc="*split-KV*4 per kv head*" >"$out/racecheck-qwen-splitkv.log" 2>&1
+  grep -E "RACECHECK SUMMARY|test cases" "$out/racecheck-qwen-splitkv.log" | sed "s/^/racecheck qwen split-KV: /" | tee -a "$sum"
+  say "racecheck qwen split-KV: $((SECONDS - t0)) s"
   if python3 -c 'import transformers' 2>/dev/null; then
     python3 examples/qwen/parity.py --bin "$qw" --out "$out/qwen-parity.json" >"$out/qwen-parity.log" 2>&1
     tail -6 "$out/qwen-parity.log" | tee -a "$sum"
   fi
   for p in qwen3-0.6b qwen3-4b; do
-    "$qw" --preset "$p" --bench --gen "$steps" --bench-batches 1,8,16,32,64 --json "$out/qwen-bench-$p.json" \
+    "$qw" --preset "$p" --bench --gen "$steps" --bench-batches 1,2,4,8,16,32,64 --json "$out/qwen-bench-$p.json" \
       >"$out/qwen-bench-$p.txt" 2>&1
     grep -vE "^  seq|^\[" "$out/qwen-bench-$p.txt" | tail -40 >>"$sum"
   done

@@ -75,9 +75,9 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
 
 constexpr int kAttnWarps = 8;
 
-/// One block per (kv head, row, split): the G query heads sharing that kv head. 8 lanes per token
-/// (DPL dims each), 4 tokens per warp and 32 per block in flight; online softmax per lane group,
-/// then a combine across groups (shuffles) and warps (shared memory).
+/// One block per (kv head, row, split): the G query heads sharing that kv head. LPT lanes per token
+/// (DPL dims each), 64 positions per block in flight; online softmax per lane group, then a combine
+/// across groups (shuffles) and warps (shared memory).
 /// Split-KV (AttnSplit, decode): a long context is cut into chunks of at least sp.min_chunk
 /// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
 /// block writes the output itself; otherwise each block stores its partial softmax state and the
@@ -87,8 +87,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
                      const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out) {
   constexpr int E = D / 64;
-  constexpr int DPL = D / 8;  // dims per lane
-  constexpr int NV = DPL / 8; // uint4 loads per lane per token
+  // Lanes per position: 8, or 16 where the G heads' q and output in registers would leave one block
+  // per SM (head_dim 128 with 3 or more heads per kv head).
+  constexpr int LPT = D == 128 && G >= 3 ? 16 : 8;
+  constexpr int DPL = D / LPT;  // dims per lane
+  constexpr int NV = DPL / 8;   // uint4 loads per lane per token
+  constexpr int PPW = 32 / LPT; // positions per warp and load round
   __shared__ float q_s[G][D];
   __shared__ float red_m[kAttnWarps][G], red_l[kAttnWarps][G];
   __shared__ float red_acc[kAttnWarps][G][D];
@@ -97,12 +101,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   replay::pdl::launch_dependents();
   const int kvh = blockIdx.x, r = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int sub = lane & 7, grp = lane >> 3;
+  const int sub = lane % LPT, grp = lane / LPT;
   const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
   const bf16* vbase = kbase + kv.kv_stride();
-  // Tokens per lane group per iteration (their K/V loads are in flight together): 64 positions per
-  // block and iteration, the first iteration's loaded before the wait (more costs registers).
-  constexpr int T = 2;
+  // Load rounds per iteration (their K/V loads are in flight together): 64 positions per block and
+  // iteration, the first iteration's loaded before the wait (more costs registers).
+  constexpr int T = 64 / (kAttnWarps * PPW);
   auto kv_offset = [&](int blk, int t) {
     return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
   };
@@ -132,7 +136,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
   for (int u = 0; u < T; ++u) {
-    const int t = begin + warp * 4 + u * kAttnWarps * 4 + grp;
+    const int t = begin + warp * PPW + u * kAttnWarps * PPW + grp;
     if (pre && t < pos && t < end) {
       const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
@@ -167,14 +171,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DPL; ++j) q[h][j] = q_s[h][sub * DPL + j];
-  SoftmaxState<G, DPL> sm;
+  SoftmaxState<G, DPL, LPT> sm;
   sm.init();
 
-  for (int base = begin + warp * 4; base < end; base += kAttnWarps * 4 * T) {
+  for (int base = begin + warp * PPW; base < end; base += kAttnWarps * PPW * T) {
     bool valid[T];
 #pragma unroll
     for (int u = 0; u < T; ++u) {
-      const int t = base + u * kAttnWarps * 4 + grp;
+      const int t = base + u * kAttnWarps * PPW + grp;
       valid[u] = t < end;
       // The first iteration's earlier positions are in registers already; position pos (decode) was
       // written above, also to shared memory (visible after the barrier): no round trip to L2.
@@ -184,7 +188,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
           kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
           vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
         }
-      } else if (valid[u] && (base != begin + warp * 4 || !pre)) {
+      } else if (valid[u] && (base != begin + warp * PPW || !pre)) {
         const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
@@ -244,16 +248,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
 }
 
 /// Calls f(attention_kernel<head_dim, G, MINB>): the one place that maps the runtime shape to an
-/// instance. With 1-2 query heads per kv head the kernel is compiled for two blocks per SM (at most
-/// 128 registers per thread, no spills), so the next GEMV's block fits on its SM beside it; with
-/// more a cap would spill.
+/// instance. With up to 4 query heads per kv head the kernel is compiled for two blocks per SM (at
+/// most 128 registers per thread, no spills): large buckets then run in half the waves, and the next
+/// GEMV's block fits on an SM beside one; with more a cap would spill.
 template <int D, class F>
 void with_attention_d(int G, F&& f) {
   switch (G) {
     case 1: return f(attention_kernel<D, 1, 2>);
     case 2: return f(attention_kernel<D, 2, 2>);
-    case 3: return f(attention_kernel<D, 3, 1>);
-    case 4: return f(attention_kernel<D, 4, 1>);
+    case 3: return f(attention_kernel<D, 3, 2>);
+    case 4: return f(attention_kernel<D, 4, 2>);
     case 5: return f(attention_kernel<D, 5, 1>);
     case 6: return f(attention_kernel<D, 6, 1>);
     case 7: return f(attention_kernel<D, 7, 1>);

@@ -134,12 +134,11 @@ __device__ __forceinline__ void combine_lane_groups(float (&m)[G], float (&l)[G]
   }
 }
 
-/// Decode attention's per-lane state for G query heads (8 lanes per token, DPL dims per lane): running
-/// max m, sum l and unnormalised output acc of an online softmax. `add` takes one token's K/V (this
-/// lane's DPL dims as NV uint4 of bf16; `valid` false: a lane group past the context, which still
-/// takes part in the shuffles); `combine_groups` merges the warp's 4 lane groups (lanes 8 and 16
-/// apart).
-template <int G, int DPL>
+/// Decode attention's per-lane state for G query heads (LPT lanes per token, DPL dims per lane):
+/// running max m, sum l and unnormalised output acc of an online softmax. `add` takes one token's K/V
+/// (this lane's DPL dims as NV uint4 of bf16; `valid` false: a lane group past the context, which
+/// still takes part in the shuffles); `combine_groups` merges the warp's 32 / LPT lane groups.
+template <int G, int DPL, int LPT>
 struct SoftmaxState {
   static constexpr int NV = DPL / 8;
   float m[G], l[G], acc[G][DPL];
@@ -162,9 +161,8 @@ struct SoftmaxState {
       float d = 0.f;
 #pragma unroll
       for (int j = 0; j < DPL; ++j) d = fmaf(q[h][j], kf[j], d);
-      d += __shfl_xor_sync(0xffffffffu, d, 1);
-      d += __shfl_xor_sync(0xffffffffu, d, 2);
-      d += __shfl_xor_sync(0xffffffffu, d, 4);
+#pragma unroll
+      for (int o = 1; o < LPT; o <<= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
       s[h] = d;
     }
     if (valid) {
@@ -180,8 +178,8 @@ struct SoftmaxState {
       }
     }
   }
-  /// Combines the warp's 4 lane groups (8 lanes per position): every lane then holds the warp's state.
-  __device__ __forceinline__ void combine_groups() { combine_lane_groups<G, DPL, 8>(m, l, acc); }
+  /// Combines the warp's lane groups (one position each): every lane then holds the warp's state.
+  __device__ __forceinline__ void combine_groups() { combine_lane_groups<G, DPL, LPT>(m, l, acc); }
 };
 
 /// Stores a warp's softmax state (lane group 0 holds it after the lane groups are combined; lane
