@@ -84,12 +84,10 @@ if has qwen; then
       --gen 4 --mode both >"$out/racecheck-qwen-b$b.log" 2>&1
     grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-b$b.log" | sed "s/^/racecheck qwen batch $b: /" | tee -a "$sum"
   done
-  # Split-KV attention with 16 lanes per position (head_dim 128, 4 query heads per kv head).
-  t0=$SECONDS
-  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$build/examples/qwen/qwen_gpu" \
-    -tc="*split-KV*4 per kv head*" >"$out/racecheck-qwen-splitkv.log" 2>&1
-  grep -E "RACECHECK SUMMARY|test cases" "$out/racecheck-qwen-splitkv.log" | sed "s/^/racecheck qwen split-KV: /" | tee -a "$sum"
-  say "racecheck qwen split-KV: $((SECONDS - t0)) s"
+  # Attention with 16 lanes per position (head_dim 128, 4 query heads per kv head) at bucket 8.
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny-hd128 --batch 8 \
+    --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
+  grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-hd128.log" | sed "s/^/racecheck qwen tiny-hd128 batch 8: /" | tee -a "$sum"
   if python3 -c 'import transformers' 2>/dev/null; then
     python3 examples/qwen/parity.py --bin "$qw" --out "$out/qwen-parity.json" >"$out/qwen-parity.log" 2>&1
     tail -6 "$out/qwen-parity.log" | tee -a "$sum"

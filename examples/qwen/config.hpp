@@ -122,7 +122,8 @@ struct Config {
   }
 };
 
-/// Presets with the shapes of the released Qwen3 models, plus a tiny test shape.
+/// Presets with the shapes of the released Qwen3 models, plus two tiny test shapes (tiny-hd128: head_dim
+/// 128 and 4 query heads per kv head, as Qwen3-4B and 8B).
 inline Config preset(const std::string& name) {
   Config c;
   c.name = name;
@@ -149,14 +150,17 @@ inline Config preset(const std::string& name) {
     c.vocab_size = 1024, c.hidden_size = 256, c.intermediate_size = 512, c.num_hidden_layers = 4;
     c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 64;
     c.max_position_embeddings = 2048, c.rope_theta = 10000.0;
+  } else if (name == "tiny-hd128") {
+    c.vocab_size = 1024, c.hidden_size = 512, c.intermediate_size = 1024, c.num_hidden_layers = 2;
+    c.num_attention_heads = 8, c.num_key_value_heads = 2, c.max_position_embeddings = 2048;
   } else {
-    throw input_error("unknown preset '" + name + "' (known: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny)");
+    throw input_error("unknown preset '" + name + "' (known: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny, tiny-hd128)");
   }
   c.validate();
   return c;
 }
 
-inline std::vector<std::string> preset_names() { return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "tiny"}; }
+inline std::vector<std::string> preset_names() { return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "tiny", "tiny-hd128"}; }
 
 /// Parses a Hugging Face config.json text. `source` names it in messages.
 inline Config config_from_json_text(const std::string& text, const std::string& source) {

@@ -277,7 +277,7 @@ void split_kv_check(const Config& cfg) {
 
 TEST_CASE("split-KV decode attention at long context agrees with prefill (head_dim 64)") { split_kv_check(preset("tiny")); }
 // The two shapes below run attention with 16 lanes per position (head_dim 128, 3 or more query heads
-// per kv head); gpu-check.sh runs the first under racecheck.
+// per kv head).
 TEST_CASE("split-KV decode attention at long context agrees with prefill (head_dim 128, 4 per kv head)") {
   split_kv_check(tiny_hd128_g4());
 }
