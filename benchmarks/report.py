@@ -295,7 +295,8 @@ def decode_section(res):
                       f"{eager.time_us / r.time_us:.2f}×" if eager else "–",
                       fmt(r.counter("floor_us"), 1) if sync == "sync" else "–"])
         k = nano[0][4].counter("kernels_per_step")
-        md.append(f"### NanoGPT (4 layers, 32 wide, batch 1, {int(k) if k else '?'} kernels per step)\n\n"
+        kernels = f"{int(k)} kernel{'' if int(k) == 1 else 's'}" if k else "? kernels"
+        md.append(f"### NanoGPT (4 layers, 32 wide, batch 1, {kernels} per step)\n\n"
                   "Latency-bound (its weights fit in L2, as they do in any real decode loop, so L2 is not "
                   "flushed): the floor is the null step, a synchronised round trip (median of 200, measured "
                   "in the same process before these rows), not bandwidth. Back to back = "
