@@ -23,9 +23,6 @@ namespace {
 
 using namespace dev;
 
-/// Stages the GEMV input for B batch rows in shared memory as bf16: x copied as is, or the fp32
-/// residual RMS-normalised with in.norm_w (the layer's RMSNorm fused into the projection). Every
-/// thread of the block takes part; the caller synchronises before reading xs.
 /// The RMSNorm weights a thread of stage_x uses in its first two passes (k = 8 tid + 2048 i for 256
 /// threads), loaded before pdl::wait(): they do not depend on earlier kernels, and loading
 /// them after it put one more round trip to L2 on the critical path.
@@ -38,57 +35,41 @@ __device__ __forceinline__ void norm_weights_prefetch(const GemvIn& in, int K, u
   }
 }
 
-template <int B, bool NORM, int WARPS, bool PREG = false>
-__device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS][B],
+/// Stages the batch-1 GEMV input in shared memory as bf16: x copied as is, or the fp32 residual
+/// RMS-normalised with in.norm_w (the layer's RMSNorm fused into the projection). Every thread of
+/// the block takes part; the caller synchronises before reading xs.
+template <bool NORM, int WARPS, bool PREG = false>
+__device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS],
                                         const uint4 (&gpre)[2] = {}) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if constexpr (NORM) {
-    float ss[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) ss[b] = 0.f;
+    float ss = 0.f;
     for (int k = tid * 4; k < K; k += (WARPS * 32) * 4) {
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
-        ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-      }
+      const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + k);
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      ss[b] = warp_sum(ss[b]);
-      if (lane == 0) red[warp][b] = ss[b];
-    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
     __syncthreads();
-    float rs[B];
+    float sum = 0.f;
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) s += red[w][b];
-      rs[b] = rsqrtf(s / K + in.eps);
-    }
+    for (int w = 0; w < WARPS; ++w) sum += red[w];
+    const float rs = rsqrtf(sum / K + in.eps);
     for (int k = tid * 8, pass = 0; k < K; k += (WARPS * 32) * 8, ++pass) {
       float g[8];
       unpack8(PREG && pass < 2 ? (pass == 0 ? gpre[0] : gpre[1]) : *reinterpret_cast<const uint4*>(in.norm_w + k), g);
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
-        const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k + 4);
-        uint4 o;
-        o.x = pack2(a.x * rs[b] * g[0], a.y * rs[b] * g[1]);
-        o.y = pack2(a.z * rs[b] * g[2], a.w * rs[b] * g[3]);
-        o.z = pack2(c.x * rs[b] * g[4], c.y * rs[b] * g[5]);
-        o.w = pack2(c.z * rs[b] * g[6], c.w * rs[b] * g[7]);
-        *reinterpret_cast<uint4*>(xs + std::size_t(b) * K + k) = o;
-      }
+      const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + k);
+      const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + k + 4);
+      uint4 o;
+      o.x = pack2(a.x * rs * g[0], a.y * rs * g[1]);
+      o.y = pack2(a.z * rs * g[2], a.w * rs * g[3]);
+      o.z = pack2(c.x * rs * g[4], c.y * rs * g[5]);
+      o.w = pack2(c.z * rs * g[6], c.w * rs * g[7]);
+      *reinterpret_cast<uint4*>(xs + k) = o;
     }
   } else {
-    for (int k = tid * 8; k < K; k += (WARPS * 32) * 8) {
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-        *reinterpret_cast<uint4*>(xs + std::size_t(b) * K + k) =
-            *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
-    }
+    for (int k = tid * 8; k < K; k += (WARPS * 32) * 8)
+      *reinterpret_cast<uint4*>(xs + k) = *reinterpret_cast<const uint4*>(in.x_bf16 + k);
   }
 }
 
@@ -109,26 +90,22 @@ __device__ __forceinline__ void gemv_store(float* y_f32, bf16* y_bf16, std::size
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = kGemvWarps * 32;
 
-/// One chunk of a warp's row(s): acc[r][b] += w[r][u] · x[b] for the U 16-byte pieces at
-/// k0 + 256 u (k0 includes the lane's 8-element offset); pieces at or past K are skipped.
-template <int B, int R, int U>
-__device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf16* xs, int K, int k0,
-                                               float (&acc)[R][B]) {
+/// One chunk of a warp's row(s): acc[r] += w[r][u] · x for the U 16-byte pieces at k0 + 256 u (k0
+/// includes the lane's 8-element offset); pieces at or past K are skipped.
+template <int R, int U>
+__device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf16* xs, int K, int k0, float (&acc)[R]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int k = k0 + u * 256;
     if (k < K) {
-      float wf[R][8];
+      float xf[8];
+      unpack8(*reinterpret_cast<const uint4*>(xs + k), xf);
 #pragma unroll
-      for (int r = 0; r < R; ++r) unpack8(w[r][u], wf[r]);
+      for (int r = 0; r < R; ++r) {
+        float wf[8];
+        unpack8(w[r][u], wf);
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        float xf[8];
-        unpack8(*reinterpret_cast<const uint4*>(xs + std::size_t(b) * K + k), xf);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[r][b] = fmaf(wf[r][j], xf[j], acc[r][b]);
+        for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
       }
     }
   }
@@ -136,55 +113,33 @@ __device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf1
 
 /// A warp's row n is complete: warp sums, lane 0 runs the epilogue of MODE and tracks the argmax,
 /// and acc is cleared for the next row.
-template <int B, int R, gemv_out MODE>
-__device__ __forceinline__ void gemv_finish_row(float (&acc)[R][B], int n, int lane, float* y_f32, bf16* y_bf16,
-                                                int ldy, float (&best_v)[B], int (&best_i)[B]) {
+template <int R, gemv_out MODE>
+__device__ __forceinline__ void gemv_finish_row(float (&acc)[R], int n, int lane, float* y_f32, bf16* y_bf16,
+                                                float& best_v, int& best_i) {
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
   if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, acc[0][b], acc[R - 1][b]);
-      if constexpr (MODE == gemv_out::argmax)
-        if (acc[0][b] > best_v[b]) best_v[b] = acc[0][b], best_i[b] = n;
-    }
+    gemv_store<MODE>(y_f32, y_bf16, n, acc[0], acc[R - 1]);
+    if constexpr (MODE == gemv_out::argmax)
+      if (acc[0] > best_v) best_v = acc[0], best_i = n;
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
 }
 
-/// A GEMV warp's state before its first row: accumulators zero, no argmax candidate yet.
-template <int B, int R>
-__device__ __forceinline__ void gemv_warp_init(float (&acc)[R][B], float (&best_v)[B], int (&best_i)[B]) {
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-#pragma unroll
-  for (int b = 0; b < B; ++b) best_v[b] = -INFINITY, best_i[b] = 0x7fffffff;
-}
-
-/// argmax epilogue of a GEMV block: each warp's best (value, row) per batch row, then one atomicMax of
-/// the block's best key per batch row. Every thread of the block calls it.
-template <int B>
-__device__ __forceinline__ void gemv_argmax_block(const float (&best_v)[B], const int (&best_i)[B],
-                                                  unsigned long long (&red_key)[kGemvWarps][B],
+/// argmax epilogue of a GEMV block: each warp's best (value, row), then one atomicMax of the block's
+/// best key. Every thread of the block calls it; best_i == kNoRow: the warp had no row.
+constexpr int kNoRow = 0x7fffffff;
+__device__ __forceinline__ void gemv_argmax_block(float best_v, int best_i, unsigned long long (&red_key)[kGemvWarps],
                                                   unsigned long long* keys) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) red_key[warp][b] = best_i[b] == 0x7fffffff ? 0ull : argmax_key(best_v[b], best_i[b]);
-  }
+  if (lane == 0) red_key[warp] = best_i == kNoRow ? 0ull : argmax_key(best_v, best_i);
   __syncthreads();
-  if (tid < B) {
+  if (tid == 0) {
     unsigned long long k = 0;
 #pragma unroll
-    for (int w = 0; w < kGemvWarps; ++w) k = red_key[w][tid] > k ? red_key[w][tid] : k;
-    if (k != 0) atomicMax(keys + tid, k);
+    for (int w = 0; w < kGemvWarps; ++w) k = red_key[w] > k ? red_key[w] : k;
+    if (k != 0) atomicMax(keys, k);
   }
 }
 
@@ -199,16 +154,16 @@ __device__ __forceinline__ void gemv_argmax_block(const float (&best_v)[B], cons
 // large matrices with long rows (plan_gemv).
 // ------------------------------------------------------------------------------------------------
 
-template <int B, gemv_out MODE, bool NORM, int U, int PRE>
+template <gemv_out MODE, bool NORM, int U, int PRE>
 __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16* __restrict__ W, int N, int K,
-                                                                    GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
+                                                                    GemvIn in, float* y_f32, bf16* y_bf16,
                                                                     unsigned long long* keys) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
   constexpr int kChunk = 256 * U;  // weights per row per chunk (a warp's U loads per lane)
   extern __shared__ uint4 smem_u4[];
-  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K]
-  __shared__ float red[kGemvWarps][B];
-  __shared__ unsigned long long red_key[kGemvWarps][B];
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [K]
+  __shared__ float red[kGemvWarps];
+  __shared__ unsigned long long red_key[kGemvWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int stride = gridDim.x * kGemvWarps;
 
@@ -227,15 +182,14 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     if (base >= K) base = 0, row += stride;
   };
 
-  float acc[R][B];
-  float best_v[B];
-  int best_i[B];
-  gemv_warp_init<B, R>(acc, best_v, best_i);
+  float acc[R] = {};
+  float best_v = -INFINITY;
+  int best_i = kNoRow;
 
   auto compute = [&](const Regs& w, int row, int base) {
-    gemv_fma_chunk<B, R, U>(w, xs, K, base + lane * 8, acc);
+    gemv_fma_chunk<R, U>(w, xs, K, base + lane * 8, acc);
     if (base + kChunk >= K)  // the row is complete (warp-uniform)
-      gemv_finish_row<B, R, MODE>(acc, row, lane, y_f32, y_bf16, ldy, best_v, best_i);
+      gemv_finish_row<R, MODE>(acc, row, lane, y_f32, y_bf16, best_v, best_i);
   };
 
   Regs wa, wb;
@@ -244,7 +198,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
   load(wa, n, kb);  // weights do not depend on earlier kernels
   if constexpr (PRE == 1) {
     replay::pdl::wait();
-    stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+    stage_x<NORM, kGemvWarps>(in, K, xs, red);
     __syncthreads();
     int n2 = n, kb2 = kb;
     advance(n2, kb2);
@@ -268,7 +222,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     int n3 = n2, kb3 = kb2;
     advance(n3, kb3);
     replay::pdl::wait();
-    stage_x<B, NORM, kGemvWarps>(in, K, xs, red);
+    stage_x<NORM, kGemvWarps>(in, K, xs, red);
     __syncthreads();
     auto step = [&]() { n = n2, kb = kb2, n2 = n3, kb2 = kb3, advance(n3, kb3); };
     while (n < N) {  // two chunks per trip (no dynamic indexing of the register sets)
@@ -281,7 +235,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
       step();
     }
   }
-  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block(best_v, best_i, red_key, keys);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -302,19 +256,19 @@ constexpr int kRingPiece = 1024;  // weights per row per slot (2 KiB of bf16)
 constexpr int kRingMaxSlots = 8;  // slots per warp at most
 constexpr std::size_t kRingSmemBudget = 100 * 1024;  // dynamic shared memory per block (x + rings)
 
-template <int B, gemv_out MODE, bool NORM>
+template <gemv_out MODE, bool NORM>
 __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
-                                                                 float* y_f32, bf16* y_bf16, int ldy,
-                                                                 unsigned long long* keys, int slots) {
+                                                                 float* y_f32, bf16* y_bf16, unsigned long long* keys,
+                                                                 int slots) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
   constexpr int kSlotElems = R * kRingPiece;
   extern __shared__ uint4 smem_u4[];
-  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [B][K] (K % 8 == 0: the rings stay 16-byte aligned)
+  bf16* xs = reinterpret_cast<bf16*>(smem_u4);  // [K] (K % 8 == 0: the rings stay 16-byte aligned)
   __shared__ unsigned long long bars[kGemvWarps][kRingMaxSlots];
-  __shared__ float red[kGemvWarps][B];
-  __shared__ unsigned long long red_key[kGemvWarps][B];
+  __shared__ float red[kGemvWarps];
+  __shared__ unsigned long long red_key[kGemvWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  bf16* ring = xs + std::size_t(B) * K + std::size_t(warp) * slots * kSlotElems;
+  bf16* ring = xs + K + std::size_t(warp) * slots * kSlotElems;
   unsigned long long* bar = bars[warp];
 
   // This block's rows [rb, re); this warp's rows rb + warp + 8i; P pieces per row; T items.
@@ -345,13 +299,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
   uint4 gpre[2];
   if constexpr (NORM) norm_weights_prefetch<kGemvWarps>(in, K, gpre);
   replay::pdl::wait();
-  stage_x<B, NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
+  stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
   __syncthreads();
 
-  float acc[R][B];
-  float best_v[B];
-  int best_i[B];
-  gemv_warp_init<B, R>(acc, best_v, best_i);
+  float acc[R] = {};
+  float best_v = -INFINITY;
+  int best_i = kNoRow;
 
   int s = 0, n = rb + warp, p = 0;
   unsigned parity = 0;
@@ -372,16 +325,16 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
       fence_proxy_async();
       issue(t + slots, s);
     }
-    gemv_fma_chunk<B, R, 4>(w, xs, K, k0 + lane * 8, acc);
+    gemv_fma_chunk<R, 4>(w, xs, K, k0 + lane * 8, acc);
     if (p == P - 1) {
-      gemv_finish_row<B, R, MODE>(acc, n, lane, y_f32, y_bf16, ldy, best_v, best_i);
+      gemv_finish_row<R, MODE>(acc, n, lane, y_f32, y_bf16, best_v, best_i);
       n += kGemvWarps, p = 0;
     } else {
       ++p;
     }
     if (++s == slots) s = 0, parity ^= 1u;
   }
-  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block<B>(best_v, best_i, red_key, keys);
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block(best_v, best_i, red_key, keys);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -501,7 +454,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
   float best_v[kPer];
   int best_i[kPer];
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) best_v[j] = -INFINITY, best_i[j] = 0x7fffffff;
+  for (int j = 0; j < kPer; ++j) best_v[j] = -INFINITY, best_i[j] = kNoRow;
 
   // A tile is complete: the warps' partial tiles summed in warp order, then the epilogue. Output e of
   // a tile is element e % 4 of lane (e / 4) % 32's fragment of batch tile e / 128.
@@ -579,7 +532,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
     for (int j = 0; j < kPer; ++j) {
       const int e = tid + j * kGemvThreads;
       const int b = (e / 128) * 16 + ((e / 4) % 32 >> 2) + (e % 4 >= 2 ? 8 : 0);
-      if (best_i[j] != 0x7fffffff) atomicMax(skeys + b, argmax_key(best_v[j], best_i[j]));
+      if (best_i[j] != kNoRow) atomicMax(skeys + b, argmax_key(best_v[j], best_i[j]));
     }
     __syncthreads();
     if (tid < B && skeys[tid] != 0) atomicMax(keys + tid, skeys[tid]);
@@ -594,53 +547,50 @@ std::size_t mma_shared_bytes(int rows, int K, int R, int piece, int slots) {
          std::size_t(slots) * R * 8 * (piece + kMmaPad) * sizeof(bf16);
 }
 
-constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x in shared memory: B * K bf16 at most
+constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x of the batch-1 GEMVs in shared memory: K bf16 at most
 
-/// Calls f(kernel) with the instance of `Pick<B, MODE, NORM>` for the runtime mode. NORM is on for
-/// the projections that read the residual (QKV, gate/up, lm_head) and off for those that read a
-/// bf16 activation (O, down).
-template <template <int, gemv_out, bool> class Pick, int B, class F>
+/// Calls f(kernel) with the instance of `Pick<MODE, NORM>` for the runtime mode. NORM is on for the
+/// projections that read the residual (QKV, gate/up, lm_head) and off for those that read a bf16
+/// activation (O, down).
+template <template <gemv_out, bool> class Pick, class F>
 void by_mode(gemv_out mode, F&& f) {
   switch (mode) {
-    case gemv_out::store_f32: return f(Pick<B, gemv_out::store_f32, true>::kernel);
-    case gemv_out::silu_mul: return f(Pick<B, gemv_out::silu_mul, true>::kernel);
-    case gemv_out::argmax: return f(Pick<B, gemv_out::argmax, true>::kernel);
-    case gemv_out::add_f32: return f(Pick<B, gemv_out::add_f32, false>::kernel);
+    case gemv_out::store_f32: return f(Pick<gemv_out::store_f32, true>::kernel);
+    case gemv_out::silu_mul: return f(Pick<gemv_out::silu_mul, true>::kernel);
+    case gemv_out::argmax: return f(Pick<gemv_out::argmax, true>::kernel);
+    case gemv_out::add_f32: return f(Pick<gemv_out::add_f32, false>::kernel);
   }
 }
-/// The runtime (rows, mode) to a template instance: the CUDA-core GEMVs (Pick) for 1 row, the
-/// tensor-core GEMV (with_mma) for 2 to 16.
-template <template <int, gemv_out, bool> class Pick, class F>
-void with_gemv(int rows, gemv_out mode, F&& f) {
-  if (rows != 1) throw replay::usage_error("qwen::gemv: the CUDA-core GEMV serves 1 row");
-  by_mode<Pick, 1>(mode, f);
-}
-template <int B, gemv_out M, bool N>
-struct Mma {
-  static constexpr auto kernel = gemv_mma_kernel<B, M, N>;
+template <gemv_out M, bool N>
+struct Ring {
+  static constexpr auto kernel = gemv_ring_kernel<M, N>;
 };
+template <gemv_out M, bool N>
+struct Pipelined {
+  static constexpr auto kernel = gemv_pipelined_kernel<M, N, 4, 1>;
+};
+template <gemv_out M, bool N>
+struct PipelinedDeep {
+  static constexpr auto kernel = gemv_pipelined_kernel<M, N, 4, 2>;
+};
+template <int B>
+struct Mma {
+  template <gemv_out M, bool N>
+  struct at {
+    static constexpr auto kernel = gemv_mma_kernel<B, M, N>;
+  };
+};
+/// The tensor-core GEMV's instance for (rows, mode), rows 2 to 16.
 template <class F>
 void with_mma(int rows, gemv_out mode, F&& f) {
   switch (rows) {
-    case 2: return by_mode<Mma, 2>(mode, f);
-    case 4: return by_mode<Mma, 4>(mode, f);
-    case 8: return by_mode<Mma, 8>(mode, f);
-    case 16: return by_mode<Mma, 16>(mode, f);
+    case 2: return by_mode<Mma<2>::at>(mode, f);
+    case 4: return by_mode<Mma<4>::at>(mode, f);
+    case 8: return by_mode<Mma<8>::at>(mode, f);
+    case 16: return by_mode<Mma<16>::at>(mode, f);
     default: throw replay::usage_error("qwen::gemv: rows must be 2, 4, 8 or 16 for the tensor-core GEMV");
   }
 }
-template <int B, gemv_out M, bool N>
-struct Ring {
-  static constexpr auto kernel = gemv_ring_kernel<B, M, N>;
-};
-template <int B, gemv_out M, bool N>
-struct Pipelined {
-  static constexpr auto kernel = gemv_pipelined_kernel<B, M, N, 4, 1>;
-};
-template <int B, gemv_out M, bool N>
-struct PipelinedDeep {
-  static constexpr auto kernel = gemv_pipelined_kernel<B, M, N, 4, 2>;
-};
 
 void check_linear(const Linear& op, int rows) {
   if (op.W == nullptr || op.N < 1 || op.K < 8 || op.K % 8 != 0)
@@ -727,8 +677,8 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
   auto occupancy = [&](auto kernel) {
     REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, p.shared_bytes));
   };
-  if (deep) with_gemv<PipelinedDeep>(rows, op.mode, occupancy);
-  else with_gemv<Pipelined>(rows, op.mode, occupancy);
+  if (deep) by_mode<PipelinedDeep>(op.mode, occupancy);
+  else by_mode<Pipelined>(op.mode, occupancy);
   // The grid is capped at what is resident at once, so x is staged once per resident block.
   const int cap = (per_sm < 1 ? 1 : per_sm) * num_sms;
   const int want = (op.N + kGemvWarps - 1) / kGemvWarps;
@@ -740,22 +690,17 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
   if (plan.grid < 1) throw replay::usage_error("qwen::launch_gemv: no plan (plan_gemv)");
   const replay::launch_config c{.grid = dim3(plan.grid), .block = dim3(kGemvThreads),
                                 .shared_bytes = plan.shared_bytes, .stream = s, .pdl = true};
+  if (plan.kind != GemvPlan::kernel::mma && rows != 1)
+    throw replay::usage_error("qwen::launch_gemv: the CUDA-core GEMVs serve 1 row");
+  auto pipelined = [&](auto k) { replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.keys); };
   switch (plan.kind) {
     case GemvPlan::kernel::ring:
-      with_gemv<Ring>(rows, op.mode, [&](auto k) {
-        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.slots);
+      by_mode<Ring>(op.mode, [&](auto k) {
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.keys, plan.slots);
       });
       break;
-    case GemvPlan::kernel::pipelined:
-      with_gemv<Pipelined>(rows, op.mode, [&](auto k) {
-        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
-      });
-      break;
-    case GemvPlan::kernel::pipelined_deep:
-      with_gemv<PipelinedDeep>(rows, op.mode, [&](auto k) {
-        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys);
-      });
-      break;
+    case GemvPlan::kernel::pipelined: by_mode<Pipelined>(op.mode, pipelined); break;
+    case GemvPlan::kernel::pipelined_deep: by_mode<PipelinedDeep>(op.mode, pipelined); break;
     case GemvPlan::kernel::mma:
       with_mma(rows, op.mode, [&](auto k) {
         replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
@@ -776,9 +721,9 @@ void init_gemv_attributes() {
     };
   };
   for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
-    with_gemv<Ring>(1, m, attrs(kMaxStageBytes));
-    with_gemv<Pipelined>(1, m, attrs(kMaxStageBytes));
-    with_gemv<PipelinedDeep>(1, m, attrs(kMaxStageBytes));
+    by_mode<Ring>(m, attrs(kMaxStageBytes));
+    by_mode<Pipelined>(m, attrs(kMaxStageBytes));
+    by_mode<PipelinedDeep>(m, attrs(kMaxStageBytes));
     for (int rows : {2, 4, 8, 16}) with_mma(rows, m, attrs(kMmaSmemMax));
   }
 }
