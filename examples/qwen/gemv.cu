@@ -127,9 +127,10 @@ __device__ __forceinline__ void gemv_finish_row(float (&acc)[R], int n, int lane
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
 }
 
+constexpr int kNoRow = 0x7fffffff;  // an argmax candidate's row before the warp has finished a row
+
 /// argmax epilogue of a GEMV block: each warp's best (value, row), then one atomicMax of the block's
 /// best key. Every thread of the block calls it; best_i == kNoRow: the warp had no row.
-constexpr int kNoRow = 0x7fffffff;
 __device__ __forceinline__ void gemv_argmax_block(float best_v, int best_i, unsigned long long (&red_key)[kGemvWarps],
                                                   unsigned long long* keys) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
