@@ -3,9 +3,9 @@
 // One block per (kv head, row, split) serves the G query heads that share the kv head, so each
 // sequence's K/V is read once per step. Per-head RMSNorm (q_norm / k_norm) and RoPE are fused into
 // the prologue; in decode the block that owns the row's last position also writes the new K/V into
-// the pool. Before pdl::wait() the kernel reads the step metadata and the first 64 positions' K/V
-// (decode only: this kernel is the step's only writer of the layer's cache). Long contexts are split
-// over several blocks (AttnSplit) and merged by the last block to finish.
+// the pool. Before pdl::wait() the kernel reads the step metadata and the first 8 positions' K/V per
+// warp (decode only: this kernel is the step's only writer of the layer's cache). Long contexts are
+// split over several blocks (AttnPlan) and merged by the last block to finish.
 #include "kernels.cuh"
 #include "device.cuh"
 
@@ -73,19 +73,19 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
   write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk, kv, layer, h, threadIdx.x & 31);
 }
 
-constexpr int kAttnWarps = 8;
+constexpr int kAttnWarps = 8;  // warps per block at most (AttnPlan::warps: 4 or 8)
 
 /// One block per (kv head, row, split): the G query heads sharing that kv head. LPT lanes per token
-/// (DPL dims each), 64 positions per block in flight; online softmax per lane group, then a combine
+/// (DPL dims each), 8 positions per warp in flight; online softmax per lane group, then a combine
 /// across groups (shuffles) and warps (shared memory).
-/// Split-KV (AttnSplit, decode): a long context is cut into chunks of at least sp.min_chunk
+/// Split-KV (AttnPlan, decode): a long context is cut into chunks of at least sp.min_chunk
 /// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
 /// block writes the output itself; otherwise each block stores its partial softmax state and the
 /// last block to finish (a counter per (row, kv head)) combines the chunks and writes the output.
 template <int D, int G, int MINB>
 __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
-                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnSplit sp, bf16* out) {
+                     const float2* rope, RowMeta meta, KvPool kv, int layer, int write_kv, AttnPlan sp, bf16* out) {
   constexpr int E = D / 64;
   // Lanes per position: 8, or 16 where the G heads' q and output in registers would leave one block
   // per SM (head_dim 128 with 3 or more heads per kv head).
@@ -100,13 +100,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
 
   replay::pdl::launch_dependents();
   const int kvh = blockIdx.x, r = blockIdx.y, split = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int sub = lane % LPT, grp = lane / LPT;
   const bf16* kbase = kv.base + std::size_t(layer) * kv.layer_stride();
   const bf16* vbase = kbase + kv.kv_stride();
-  // Load rounds per iteration (their K/V loads are in flight together): 64 positions per block and
+  // Load rounds per iteration (their K/V loads are in flight together): 8 positions per warp and
   // iteration, the first iteration's loaded before the wait (more costs registers).
-  constexpr int T = 64 / (kAttnWarps * PPW);
+  constexpr int T = 8 / PPW;
+  const int stride = nwarps * PPW;  // positions between a warp's load rounds
   auto kv_offset = [&](int blk, int t) {
     return ((std::size_t(blk) * kv.kv_heads + kvh) * kv.block_size + t % kv.block_size) * D + sub * DPL;
   };
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
   for (int u = 0; u < T; ++u) {
-    const int t = begin + warp * PPW + u * kAttnWarps * PPW + grp;
+    const int t = begin + warp * PPW + u * stride + grp;
     if (pre && t < pos && t < end) {
       const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
   const float scale = rsqrtf(static_cast<float>(D));
 
-  for (int item = warp; item < G + (write_kv && owns_pos ? 1 : 0); item += kAttnWarps) {
+  for (int item = warp; item < G + (write_kv && owns_pos ? 1 : 0); item += nwarps) {
     if (item < G) {
       float lo[E], hi[E];
       norm_rope_head<D>(row + (kvh * G + item) * D, q_norm, eps, rope + std::size_t(pos) * (D / 2), lane, lo, hi);
@@ -174,11 +175,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   SoftmaxState<G, DPL, LPT> sm;
   sm.init();
 
-  for (int base = begin + warp * PPW; base < end; base += kAttnWarps * PPW * T) {
+  for (int base = begin + warp * PPW; base < end; base += stride * T) {
     bool valid[T];
 #pragma unroll
     for (int u = 0; u < T; ++u) {
-      const int t = base + u * kAttnWarps * PPW + grp;
+      const int t = base + u * stride + grp;
       valid[u] = t < end;
       // The first iteration's earlier positions are in registers already; position pos (decode) was
       // written above, also to shared memory (visible after the barrier): no round trip to L2.
@@ -208,9 +209,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   // sp.partial[row][kv head][split] = {m[G], l[G], acc[G][D]}.
   constexpr int P = G * (D + 2);
   float* part = chunks > 1 ? sp.partial + (std::size_t(r) * kv.kv_heads + kvh) * sp.splits * P : nullptr;
-  for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
+  for (int idx = tid; idx < G * D; idx += blockDim.x) {
     const int h = idx / D, d = idx % D;
-    const auto [mx, L, A] = merge_warp_states<kAttnWarps>(&red_m[0][0], &red_l[0][0], &red_acc[0][0][0], G, D, h, d);
+    const auto [mx, L, A] = merge_warp_states(&red_m[0][0], &red_l[0][0], &red_acc[0][0][0], nwarps, G, D, h, d);
     if (part == nullptr) {
       out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
     } else {
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int idx = tid; idx < G * D; idx += kAttnWarps * 32) {
+  for (int idx = tid; idx < G * D; idx += blockDim.x) {
     const int h = idx / D;
     float mx = -INFINITY;
     for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, __ldcg(part + std::size_t(c) * P + h));
@@ -285,30 +286,41 @@ void init_attention_attributes() {
       });
 }
 
-int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_sms) {
-  // Only a grid that leaves SMs idle is split (a bigger one is already spread over the GPU, and its
-  // extra blocks would cost launch slots at every length); then into as many blocks as fit on the
-  // GPU at once (one wave) when every row's context is long.
-  if (rows * kv_heads >= num_sms) return 1;
-  int per_sm = 0;
+AttnPlan plan_attention(int rows, int q_heads, int kv_heads, int head_dim, int num_sms) {
+  int per_sm = 0;  // 8-warp blocks resident per SM
   with_attention(head_dim, q_heads / kv_heads, [&](auto kernel) {
     REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnWarps * 32, 0));
   });
-  const int want = (per_sm < 1 ? 1 : per_sm) * num_sms / (rows * kv_heads);
-  return want < 1 ? 1 : want > kMaxAttnSplits ? kMaxAttnSplits : want;
+  per_sm = per_sm < 1 ? 1 : per_sm;
+  AttnPlan p;
+  const int blocks = rows * kv_heads;
+  if (blocks > per_sm * num_sms) {
+    // A second wave would double the step's attention time; 4-warp blocks take a few more load
+    // rounds each but fit twice as many on an SM (the register cap is per thread).
+    p.warps = kAttnWarps / 2;
+  } else if (blocks < num_sms) {
+    // Only a grid that leaves SMs idle is split (a bigger one is already spread over the GPU, and its
+    // extra blocks would cost launch slots at every length); then into one wave of blocks for a
+    // context long enough to fill them.
+    const int want = per_sm * num_sms / blocks;
+    p.splits = want < 1 ? 1 : want > kMaxAttnSplits ? kMaxAttnSplits : want;
+  }
+  return p;
 }
 
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
-                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
+                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnPlan sp,
                       bf16* out, replay::stream_ref s) {
   if (sp.splits < 1 || sp.splits > kMaxAttnSplits || (sp.splits > 1 && (sp.partial == nullptr || sp.arrived == nullptr)))
     throw replay::usage_error("qwen::launch_attention: split-KV needs 1..kMaxAttnSplits splits and its scratch");
   if (sp.min_chunk < 64 || sp.min_chunk % 64 != 0)
     throw replay::usage_error("qwen::launch_attention: min_chunk must be a positive multiple of 64");
+  if (sp.warps != kAttnWarps && sp.warps != kAttnWarps / 2)
+    throw replay::usage_error("qwen::launch_attention: 4 or 8 warps per block");
   if (kv.kv_heads < 1 || q_heads % kv.kv_heads != 0)
     throw replay::usage_error("qwen::launch_attention: query heads must be a multiple of kv heads");
   const int D = kv.head_dim, q_dim = q_heads * D, kv_dim = kv.kv_heads * D;
-  const replay::launch_config c{.grid = dim3(kv.kv_heads, rows, sp.splits), .block = dim3(kAttnWarps * 32),
+  const replay::launch_config c{.grid = dim3(kv.kv_heads, rows, sp.splits), .block = dim3(sp.warps * 32),
                                 .stream = s, .pdl = true};
   with_attention(D, q_heads / kv.kv_heads, [&](auto kernel) {
     replay::launch(kernel, c, qkv, q_dim, kv_dim, q_norm, k_norm, eps, rope, meta, kv, layer, write_kv ? 1 : 0, sp, out);

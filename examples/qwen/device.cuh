@@ -198,20 +198,17 @@ __device__ __forceinline__ void store_warp_state(const float (&m)[G], const floa
   }
 }
 
-/// Query head h's output d merged over the NW warps' states (store_warp_state's arrays), in warp
+/// Query head h's output d merged over the nw warps' states (store_warp_state's arrays), in warp
 /// order: the max, the sum and the unnormalised output (output = a / l).
 struct MergedState {
   float m, l, a;
 };
-template <int NW>
 __device__ __forceinline__ MergedState merge_warp_states(const float* red_m, const float* red_l, const float* red_acc,
-                                                         int G, int D, int h, int d) {
+                                                         int nw, int G, int D, int h, int d) {
   float mx = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, red_m[w * G + h]);
+  for (int w = 0; w < nw; ++w) mx = fmaxf(mx, red_m[w * G + h]);
   float L = 0.f, A = 0.f;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) {
+  for (int w = 0; w < nw; ++w) {
     const float f = red_m[w * G + h] == -INFINITY ? 0.f : __expf(red_m[w * G + h] - mx);
     L += red_l[w * G + h] * f;
     A += red_acc[(w * G + h) * D + d] * f;

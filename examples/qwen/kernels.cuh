@@ -104,14 +104,16 @@ void init_gemv_attributes();
 
 // ---- attention (attention.cu) ---------------------------------------------------------------------
 
-/// Split-KV (flash-decoding) for decode attention. A row's context is cut into chunks of at least
+/// How decode attention runs a bucket: block size and split-KV (flash-decoding), chosen once per
+/// bucket when the engine is built (plan_attention). A row's context is cut into chunks of at least
 /// `min_chunk` positions (a multiple of 64), one block per chunk, up to `splits` per (row, kv head):
 /// each block keeps its chunk's softmax state (max, sum, unnormalised output) in `partial`, and the
 /// last block to finish (counted in `arrived`) combines them. The grid (`splits`) is fixed at launch,
 /// so a captured graph serves every length; a context of at most `min_chunk` positions runs in one
 /// block. `splits` = 1 needs no scratch.
-struct AttnSplit {
+struct AttnPlan {
   int splits = 1;               ///< blocks per (row, kv head): grid z
+  int warps = 8;                ///< warps per block: 8, or 4 where 8-warp blocks would need a second wave
   int min_chunk = 128;          ///< fewest positions per block
   float* partial = nullptr;     ///< [rows][kv_heads][splits][G * (head_dim + 2)] fp32
   unsigned* arrived = nullptr;  ///< [rows][kv_heads], zero before the first launch (kept zero after each)
@@ -125,11 +127,13 @@ inline constexpr int kMaxGroup = 8;
 /// K, with V, written to the pool first; then softmax(q·K^T / sqrt(d)) V over positions 0..pos[r]
 /// of the row's sequence through its block table. out is [rows][q_heads * head_dim] bf16.
 void launch_attention(const float* qkv, int q_heads, const bf16* q_norm, const bf16* k_norm, float eps,
-                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnSplit sp,
+                      const float2* rope, RowMeta meta, int rows, KvPool kv, int layer, bool write_kv, AttnPlan sp,
                       bf16* out, replay::stream_ref s);
-/// Blocks per (row, kv head) for a bucket of `rows` rows: 1 when rows × kv_heads blocks already
-/// cover the SMs, else as many as fit on the GPU at once, at most kMaxAttnSplits. Host, at setup.
-int attention_splits(int rows, int q_heads, int kv_heads, int head_dim, int num_sms);
+/// Splits and warps per block for a bucket of `rows` rows (the scratch pointers and min_chunk are
+/// left to the caller): a grid of rows × kv_heads blocks that leaves SMs idle is split into as many
+/// blocks as fit on the GPU at once, at most kMaxAttnSplits per (row, kv head); one that needs more
+/// than one wave of 8-warp blocks gets blocks of 4 warps (twice as many resident). Host, at setup.
+AttnPlan plan_attention(int rows, int q_heads, int kv_heads, int head_dim, int num_sms);
 /// Prefill: per-head RMSNorm + RoPE of K and a copy of V for every row, into the paged pool.
 void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float eps, const float2* rope, RowMeta meta,
                      int rows, KvPool kv, int layer, replay::stream_ref s);

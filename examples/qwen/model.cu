@@ -109,10 +109,10 @@ struct Engine::Impl {
   std::vector<Layer> layers;
   Linear head;  // final norm + lm_head + argmax
 
-  /// What a bucket runs: each projection's GEMV plan (none: cuBLAS) and attention's split.
+  /// What a bucket runs: each projection's GEMV plan (none: cuBLAS) and attention's plan.
   struct BucketPlan {
     std::optional<GemvPlan> qkv, o, gate_up, down, head;
-    AttnSplit split;
+    AttnPlan attn;
   };
   std::map<int, BucketPlan> plans;
   BucketPlan oversize;  // batches above the largest bucket (eager fallback): cuBLAS, no split
@@ -257,7 +257,7 @@ struct Engine::Impl {
     const std::size_t R = max_rows, H = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
     std::size_t split_rows = 0;  // split-KV scratch for the largest rows x splits of any bucket
     for (int b = 1; b <= opt.max_batch; b *= 2)
-      split_rows = std::max(split_rows, std::size_t(b) * splits_for(b));
+      split_rows = std::max(split_rows, std::size_t(b) * attn_plan(b).splits);
     const std::size_t table = book->table().size();
     const std::size_t partial = split_rows * cfg.num_key_value_heads * cfg.group_size() * (cfg.head_dim + 2);
     const std::size_t arrived = R * cfg.num_key_value_heads;
@@ -303,11 +303,14 @@ struct Engine::Impl {
     head.in.x_f32 = residual, head.y_f32 = logits, head.ldy = cfg.vocab_size, head.keys = keys;
   }
 
-  [[nodiscard]] int splits_for(int rows) const {
-    return attention_splits(rows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, num_sms);
+  /// Attention's plan for a bucket of `rows` rows, with the split-KV scratch.
+  [[nodiscard]] AttnPlan attn_plan(int rows) const {
+    AttnPlan p = plan_attention(rows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, num_sms);
+    p.min_chunk = opt.attn_min_chunk, p.partial = attn_partial, p.arrived = attn_arrived;
+    return p;
   }
 
-  /// Chooses, once per bucket, each projection's kernel and attention's split.
+  /// Chooses, once per bucket, each projection's kernel and attention's plan.
   void plan_buckets() {
     for (int b : buckets) {
       BucketPlan p;
@@ -317,8 +320,7 @@ struct Engine::Impl {
       };
       p.qkv = gemv(layers[0].qkv), p.o = gemv(layers[0].o), p.gate_up = gemv(layers[0].gate_up);
       p.down = gemv(layers[0].down), p.head = gemv(head);
-      p.split = {.splits = splits_for(b), .min_chunk = opt.attn_min_chunk, .partial = attn_partial,
-                 .arrived = attn_arrived};
+      p.attn = attn_plan(b);
       plans.emplace(b, p);
     }
   }
@@ -334,7 +336,7 @@ struct Engine::Impl {
       const Layer& w = layers[l];
       linear(w.qkv, rows, p.qkv, s);  // input RMSNorm folded in
       launch_attention(qkv, cfg.num_attention_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
-                       /*write_kv=*/true, p.split, attn, s);
+                       /*write_kv=*/true, p.attn, attn, s);
       linear(w.o, rows, p.o, s);            // + residual
       linear(w.gate_up, rows, p.gate_up, s);  // post-attention RMSNorm folded in; SiLU(gate) * up
       linear(w.down, rows, p.down, s);      // + residual
@@ -351,7 +353,7 @@ struct Engine::Impl {
       linear(w.qkv, rows, std::nullopt, s);
       launch_kv_write(qkv, cfg.num_attention_heads, w.k_norm, eps(), rope, meta, rows, kv, l, s);
       launch_attention(qkv, cfg.num_attention_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
-                       /*write_kv=*/false, AttnSplit{}, attn, s);
+                       /*write_kv=*/false, AttnPlan{}, attn, s);
       linear(w.o, rows, std::nullopt, s);
       linear(w.gate_up, rows, std::nullopt, s);
       linear(w.down, rows, std::nullopt, s);
@@ -445,10 +447,10 @@ struct Engine::Impl {
       }
       return "?";
     };
-    std::string s = "kernels per bucket (QKV, O, gate/up, down, lm_head; attention splits):";
+    std::string s = "kernels per bucket (QKV, O, gate/up, down, lm_head; attention splits x warps):";
     for (const auto& [b, p] : plans)
-      s += fmt::format(" {}: {}, {}, {}, {}, {}; {}.", b, name(p.qkv), name(p.o), name(p.gate_up), name(p.down),
-                       name(p.head), p.split.splits);
+      s += fmt::format(" {}: {}, {}, {}, {}, {}; {}x{}.", b, name(p.qkv), name(p.o), name(p.gate_up), name(p.down),
+                       name(p.head), p.attn.splits, p.attn.warps);
     return s;
   }
 

@@ -49,6 +49,12 @@ Config tiny_g5() { return tiny_shape("tiny_g5", 4096, 640, 1280, 2, 10, 2, 128);
 Config tiny_g3() { return tiny_shape("tiny_g3", 2048, 2304, 1280, 2, 6, 2, 64); }
 
 std::vector<Config> shapes() { return {preset("tiny"), tiny_hd128_g4(), tiny_g5(), tiny_g3()}; }
+/// 8 kv heads with 2 query heads each, head_dim 128 (as Qwen3-0.6B): at 64 rows attention has more
+/// blocks than one wave of 8 warps, so it runs 4-warp blocks.
+Config tiny_kv8() { return tiny_shape("tiny_kv8", 2048, 256, 512, 2, 16, 8, 128); }
+/// 64 kv heads of head_dim 64: past one wave of 8-warp attention blocks from 16 rows (the fused GEMV's
+/// largest bucket), so the 4-warp path runs without cuBLAS in the decode step.
+Config tiny_kv64() { return tiny_shape("tiny_kv64", 2048, 256, 512, 2, 64, 64, 64); }
 
 /// Runs `seqs` (all joining at once) greedily for `steps` decode steps; returns tokens per sequence
 /// and the logits of every step (poisoned with NaN first: every value must be written).
@@ -183,6 +189,41 @@ TEST_CASE("a sequence decoded in a bucket of up to 64 rows matches it decoded al
         }
       }
     }
+}
+
+/// A bucket of `rows` rows whose attention grid needs more than one wave of 8-warp blocks: checks that
+/// the plan picked 4-warp blocks, that eager and graph agree bit for bit, and that rows match the
+/// same sequences decoded alone (bucket 1: 8-warp blocks, split-KV).
+void four_warp_check(const Config& cfg, int rows) {
+  EngineOptions o = small_opts();
+  o.max_batch = rows, o.max_bucket = rows, o.kv_budget_bytes = 256ull << 20, o.prefill_chunk = 128;
+  Engine e(cfg, o, nullptr);
+  const std::string kernels = e.describe_kernels(), at = " " + std::to_string(rows) + ": ";
+  MESSAGE(kernels);
+  REQUIRE(kernels.find(at) != std::string::npos);
+  CHECK(kernels.substr(kernels.find(at)).find("1x4.") != std::string::npos);
+  const int V = e.config().vocab_size;
+  const auto prompts = prompts_of(rows, 40, 64 / rows, 5, V);  // contexts of 40..103 positions: 2 to 4 load rounds
+  std::vector<float> le, lg;
+  const auto eager = generate(e, prompts, 3, false, &le);
+  const auto graph = generate(e, prompts, 3, true, &lg);
+  CHECK(eager == graph);
+  CHECK(differing(le, lg) == 0);
+  for (int i : {0, rows / 2, rows - 1}) {
+    std::vector<float> la;
+    (void)generate(e, {prompts[i]}, 1, true, &la);
+    const double r = rel_l2(lg.data() + std::size_t(i) * V, la.data(), std::size_t(V));
+    MESSAGE(cfg.name << " row " << i << ": bucket " << rows << " vs alone relative L2 " << r);
+    CHECK(r < 1e-2);
+  }
+}
+
+TEST_CASE("attention in 4-warp blocks (a bucket past one wave): Qwen3-0.6B heads at bucket 64") {
+  four_warp_check(tiny_kv8(), 64);
+}
+
+TEST_CASE("attention in 4-warp blocks (a bucket past one wave): 64 kv heads at bucket 16, no cuBLAS in decode") {
+  four_warp_check(tiny_kv64(), 16);
 }
 
 TEST_CASE("padding rows and other sequences do not disturb a sequence (paged KV isolation)") {
