@@ -203,7 +203,7 @@ void four_warp_check(const Config& cfg, int rows) {
   REQUIRE(kernels.find(at) != std::string::npos);
   CHECK(kernels.substr(kernels.find(at)).find("1x4.") != std::string::npos);
   const int V = e.config().vocab_size;
-  const auto prompts = prompts_of(rows, 40, 64 / rows, 5, V);  // contexts of 40..103 positions: 2 to 4 load rounds
+  const auto prompts = prompts_of(rows, 40, 64 / rows, 5, V);  // contexts of 40 to ~100 positions: 2 to 4 load rounds
   std::vector<float> le, lg;
   const auto eager = generate(e, prompts, 3, false, &le);
   const auto graph = generate(e, prompts, 3, true, &lg);
