@@ -122,6 +122,11 @@ struct Config {
   }
 };
 
+/// The names preset() knows.
+inline std::vector<std::string> preset_names() {
+  return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "tiny", "tiny-hd128"};
+}
+
 /// Presets with the shapes of the released Qwen3 models, plus two tiny test shapes (tiny-hd128: head_dim
 /// 128 and 4 query heads per kv head, as Qwen3-4B and 8B).
 inline Config preset(const std::string& name) {
@@ -154,13 +159,11 @@ inline Config preset(const std::string& name) {
     c.vocab_size = 1024, c.hidden_size = 512, c.intermediate_size = 1024, c.num_hidden_layers = 2;
     c.num_attention_heads = 8, c.num_key_value_heads = 2, c.max_position_embeddings = 2048;
   } else {
-    throw input_error("unknown preset '" + name + "' (known: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny, tiny-hd128)");
+    throw input_error(fmt::format("unknown preset '{}' (known: {})", name, fmt::join(preset_names(), ", ")));
   }
   c.validate();
   return c;
 }
-
-inline std::vector<std::string> preset_names() { return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "tiny", "tiny-hd128"}; }
 
 /// Parses a Hugging Face config.json text. `source` names it in messages.
 inline Config config_from_json_text(const std::string& text, const std::string& source) {

@@ -258,8 +258,7 @@ int main(int argc, char** argv) {
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
   std::string bench_batches_s = "1,8,32,64";
-  app.add_option("--preset", preset, "model shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny, tiny-hd128 "
-                                     "(random weights)");
+  app.add_option("--preset", preset, fmt::format("model shape: {} (random weights)", fmt::join(preset_names(), ", ")));
   app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
   app.add_option("--prompt", prompt_s, "prompt token ids, comma-separated");
   app.add_option("--random-prompt", random_prompt_n, "random prompt of N tokens (when --prompt is not given)");
