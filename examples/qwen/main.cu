@@ -247,391 +247,444 @@ double uniform_padding_waste(const Engine& e, int max) {
   return 1.0 - real / run;
 }
 
-}  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"Qwen3-style decoder with a paged KV cache: eager and CUDA-graph decode"};
-  std::string preset = "qwen3-0.6b", model_dir, prompt_s, mode = "both", json_path, dump_logits;
-  long long random_prompt_n = 0, seed_arg = 1234;
+/// The command line: one field per flag, described by its help text in add_flags().
+struct Args {
+  std::string preset = "qwen3-0.6b", model_dir, prompt, mode = "both", bench_batches = "1,8,32,64";
+  std::string json_path, dump_logits, dump_graph;
+  long long random_prompt = 0, seed = 1234;
   int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 16;
   int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0;
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
-  std::string bench_batches_s = "1,8,32,64";
-  app.add_option("--preset", preset, fmt::format("model shape: {} (random weights)", fmt::join(preset_names(), ", ")));
-  app.add_option("--model", model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
-  app.add_option("--prompt", prompt_s, "prompt token ids, comma-separated");
-  app.add_option("--random-prompt", random_prompt_n, "random prompt of N tokens (when --prompt is not given)");
-  app.add_option("--gen", gen, "tokens to generate per sequence (1..1048576)");
-  app.add_option("--batch", batch, "sequences decoded together (1..1024)");
-  app.add_option("--mode", mode, "eager, graph or both (both: checks identical tokens)")
+};
+
+void add_flags(CLI::App& app, Args& a) {
+  app.add_option("--preset", a.preset, fmt::format("model shape: {} (random weights)", fmt::join(preset_names(), ", ")));
+  app.add_option("--model", a.model_dir, "Hugging Face directory (config.json + model.safetensors[.index.json])");
+  app.add_option("--prompt", a.prompt, "prompt token ids, comma-separated");
+  app.add_option("--random-prompt", a.random_prompt, "random prompt of N tokens (when --prompt is not given)");
+  app.add_option("--gen", a.gen, "tokens to generate per sequence (1..1048576)");
+  app.add_option("--batch", a.batch, "sequences decoded together (1..1024)");
+  app.add_option("--mode", a.mode, "eager, graph or both (both: checks identical tokens)")
       ->check(CLI::IsMember({"eager", "graph", "both"}));
-  app.add_flag("--bench", bench, "benchmark: batch-1 TPOT against its floors, long context, batched throughput");
-  app.add_option("--bench-steps", bench_steps, "decode steps timed per bench (default: --gen)");
-  app.add_option("--bench-batches", bench_batches_s, "batch sizes of the throughput bench");
-  app.add_option("--long-prompt", long_prompt, "prompt tokens of the long-context bench (0: skip it)");
-  app.add_option("--tokens-per-launch", tokens_per_launch,
+  app.add_flag("--bench", a.bench, "benchmark: batch-1 TPOT against its floors, long context, batched throughput");
+  app.add_option("--bench-steps", a.bench_steps, "decode steps timed per bench (default: --gen)");
+  app.add_option("--bench-batches", a.bench_batches, "batch sizes of the throughput bench");
+  app.add_option("--long-prompt", a.long_prompt, "prompt tokens of the long-context bench (0: skip it)");
+  app.add_option("--tokens-per-launch", a.tokens_per_launch,
                  "batch 1, graph mode: decode K tokens per graph launch with a device loop (1..1024)");
-  app.add_flag("--demo", demo, "staggered batch demo: sequences join and finish at different steps");
-  app.add_option("--json", json_path, "write results as JSON to this file");
-  app.add_option("--kv-mem-mb", kv_mb, "KV cache memory budget in MiB");
-  app.add_option("--max-context", max_context, "tokens per sequence at most (prompt + generation)");
-  app.add_option("--max-bucket", max_bucket, "largest graph bucket (batch rows)");
-  app.add_option("--gemv-max-rows", gemv_max_rows, "largest bucket on the fused GEMV: 0, 1, 2, 4, 8 or 16 (larger: cuBLAS)");
-  app.add_flag("--no-eager-fallback", no_fallback, "fail instead of running batches above the largest bucket eagerly");
-  app.add_option("--teacher-force", teacher_force,
+  app.add_flag("--demo", a.demo, "staggered batch demo: sequences join and finish at different steps");
+  app.add_option("--json", a.json_path, "write results as JSON to this file");
+  app.add_option("--kv-mem-mb", a.kv_mb, "KV cache memory budget in MiB");
+  app.add_option("--max-context", a.max_context, "tokens per sequence at most (prompt + generation)");
+  app.add_option("--max-bucket", a.max_bucket, "largest graph bucket (batch rows)");
+  app.add_option("--gemv-max-rows", a.gemv_max_rows,
+                 "largest bucket on the fused GEMV: 0, 1, 2, 4, 8 or 16 (larger: cuBLAS)");
+  app.add_flag("--no-eager-fallback", a.no_fallback, "fail instead of running batches above the largest bucket eagerly");
+  app.add_option("--teacher-force", a.teacher_force,
                  "parity mode: prefill the first N prompt tokens, then feed the rest one per step");
-  app.add_option("--dump-logits", dump_logits, "parity mode: write the logits of every step (float32, steps x vocab)");
-  app.add_option("--seed", seed_arg, "seed of random weights and prompts (non-negative)");
-  app.add_flag("--quiet", quiet, "print less");
-  std::string dump_graph;
-  app.add_option("--dump-graph", dump_graph, "write bucket 1's decode-step graph to PATH: DOT if it ends in .dot, else JSON");
+  app.add_option("--dump-logits", a.dump_logits, "parity mode: write the logits of every step (float32, steps x vocab)");
+  app.add_option("--seed", a.seed, "seed of random weights and prompts (non-negative)");
+  app.add_flag("--quiet", a.quiet, "print less");
+  app.add_option("--dump-graph", a.dump_graph,
+                 "write bucket 1's decode-step graph to PATH: DOT if it ends in .dot, else JSON");
+}
+
+/// What a run needs, built from the flags and checked on the host before any GPU work.
+struct Setup {
+  Config cfg;
+  std::optional<replay_examples::safetensors> weights;  ///< empty: random weights
+  EngineOptions opt;
+  std::uint64_t seed = 0;
+  std::vector<int> prompt;
+  std::vector<SequenceRequest> seqs;  ///< the sequences of a generation, demo or parity run
+  std::vector<int> join;              ///< the step at which each sequence joins
+  std::vector<int> bench_batches;
+  int steps = 0;                      ///< decode steps per bench
+  std::vector<std::string> modes;     ///< "eager", "graph" or both, in that order
+};
+
+/// Checks every flag and builds the Setup; throws input_error naming the flag.
+Setup prepare(Args& a, const CLI::App& app) {
+  if (a.gen < 1 || a.gen > (1 << 20)) throw input_error(fmt::format("--gen {} must be in 1..1048576", a.gen));
+  if (a.batch < 1 || a.batch > 1024) throw input_error(fmt::format("--batch {} must be in 1..1024", a.batch));
+  if (a.max_context < 2 || a.max_context > (1 << 24))
+    throw input_error(fmt::format("--max-context {} must be in 2..16777216", a.max_context));
+  if (a.max_bucket < 1 || a.max_bucket > 1024)
+    throw input_error(fmt::format("--max-bucket {} must be in 1..1024", a.max_bucket));
+  if (!std::isfinite(a.kv_mb) || a.kv_mb <= 0 || a.kv_mb > double(1 << 24))
+    throw input_error(fmt::format("--kv-mem-mb {} must be a positive number of MiB, at most 16777216", a.kv_mb));
+  if (a.seed < 0) throw input_error(fmt::format("--seed {} must be non-negative", a.seed));
+  if (a.random_prompt < 0 || a.random_prompt > a.max_context)
+    throw input_error(
+        fmt::format("--random-prompt {} must be in 0..--max-context ({})", a.random_prompt, a.max_context));
+  if (app.count("--prompt") > 0 && a.prompt.empty()) throw input_error("--prompt: empty prompt");
+  if (a.bench_steps < 0 || a.bench_steps > (1 << 20)) throw input_error("--bench-steps must be in 0..1048576");
+  if (a.long_prompt < 0 || a.long_prompt > (1 << 24)) throw input_error("--long-prompt must be in 0..16777216");
+  if (app.count("--tokens-per-launch") > 0) {
+    if (a.tokens_per_launch < 1 || a.tokens_per_launch > kMaxTokensPerLaunch)
+      throw input_error(
+          fmt::format("--tokens-per-launch {} must be in 1..{}", a.tokens_per_launch, kMaxTokensPerLaunch));
+    if (a.batch != 1)
+      throw input_error(fmt::format("--tokens-per-launch decodes one sequence: it needs --batch 1 (got {})", a.batch));
+    if (a.demo || a.teacher_force >= 0)
+      throw input_error("--tokens-per-launch does not combine with --demo or --teacher-force");
+    if (a.mode == "eager") throw input_error("--tokens-per-launch is a graph path: use --mode graph or both");
+  }
+  if (app.count("--model") != 0 && a.model_dir.empty()) throw input_error("--model: the path is empty");
+
+  Setup s;
+  s.seed = static_cast<std::uint64_t>(a.seed);
+  if (!a.model_dir.empty()) {
+    s.cfg = config_from_file(a.model_dir);
+    try {
+      s.weights = replay_examples::safetensors::open(a.model_dir);
+    } catch (const replay_examples::safetensors_error& e) {
+      throw input_error(fmt::format("weights: {}", e.what()));
+    }
+    check_weights(s.cfg, *s.weights);
+  } else {
+    s.cfg = qwen::preset(a.preset);
+  }
+  const Config& cfg = s.cfg;
+  s.steps = a.bench_steps > 0 ? a.bench_steps : a.gen;
+  if (a.bench && a.long_prompt > 0) a.max_context = std::max(a.max_context, a.long_prompt + s.steps + 2);
+  if (app.count("--max-context") == 0) a.max_context = std::min(a.max_context, cfg.max_position_embeddings);
+  if (a.max_context > cfg.max_position_embeddings)
+    throw input_error(fmt::format("--max-context {} exceeds the model's max_position_embeddings {}", a.max_context,
+                                  cfg.max_position_embeddings));
+  EngineOptions& opt = s.opt;
+  opt.max_bucket = a.max_bucket;
+  opt.eager_fallback = !a.no_fallback;
+  opt.kv_budget_bytes = static_cast<std::size_t>(a.kv_mb * 1048576.0);
+  opt.max_context = a.max_context;
+  opt.seed = s.seed;
+  opt.gemv_max_rows = a.gemv_max_rows;
+
+  if (!a.prompt.empty()) s.prompt = parse_ids(a.prompt, "--prompt");
+  else s.prompt = random_prompt(a.random_prompt > 0 ? static_cast<int>(a.random_prompt) : 8, cfg.vocab_size, s.seed);
+  const auto& prompt = s.prompt;
+
+  if (a.bench) s.bench_batches = parse_ids(a.bench_batches, "--bench-batches");
+  if (a.teacher_force >= 0) {
+    if (a.teacher_force < 1 || a.teacher_force > static_cast<int>(prompt.size()))
+      throw input_error(
+          fmt::format("--teacher-force {} must be in 1..prompt length {}", a.teacher_force, prompt.size()));
+    s.seqs.push_back({prompt, 1});
+  } else if (a.demo) {
+    // Sequences of different prompt and output lengths joining at different steps.
+    const int n = std::max(a.batch, 12);
+    for (int i = 0; i < n; ++i) {
+      s.seqs.push_back({random_prompt(4 + 3 * (i % 7), cfg.vocab_size, s.seed + 100 + i), 6 + (i * 7) % 23});
+      s.join.push_back(i < 4 ? 0 : 2 * (i - 3));
+    }
+  } else {
+    for (int i = 0; i < a.batch; ++i) {
+      s.seqs.push_back({i == 0 || !a.prompt.empty()
+                            ? prompt
+                            : random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, s.seed + i),
+                        a.gen});
+      s.join.push_back(0);
+    }
+  }
+  opt.max_batch = std::max(64, static_cast<int>(s.seqs.size()));
+  for (int b : s.bench_batches) opt.max_batch = std::max(opt.max_batch, b);
+  if (a.bench && app.count("--kv-mem-mb") == 0) {
+    // The bench's largest request (a full batch of short prompts, or the long prompt) sizes the KV budget.
+    const std::int64_t per_seq = (std::int64_t(prompt.size()) + s.steps + 1 + opt.block_size - 1) / opt.block_size;
+    std::int64_t blocks = 0;
+    for (int b : s.bench_batches) blocks = std::max(blocks, b * per_seq);
+    blocks = std::max(blocks, (std::int64_t(a.long_prompt) + s.steps + 1 + opt.block_size - 1) / opt.block_size);
+    opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
+  }
+  validate_request(cfg, opt, s.seqs);
+  if (a.bench) {
+    std::vector<SequenceRequest> bseqs;
+    for (int b : s.bench_batches) {
+      if (b < 1 || b > 1024) throw input_error("--bench-batches: batch sizes must be in 1..1024");
+      bseqs.assign(b, SequenceRequest{prompt, s.steps + 1});
+      validate_request(cfg, opt, bseqs);
+    }
+    if (a.long_prompt > 0)
+      validate_request(cfg, opt, {SequenceRequest{std::vector<int>(a.long_prompt, 0), s.steps + 1}});
+  }
+  if (a.mode == "both") s.modes = {"eager", "graph"};
+  else s.modes = {a.mode};
+  return s;
+}
+
+/// Parity mode: the logits after the first `teacher_force` prompt tokens (prefill), then after each
+/// further prompt token fed as a decode step, in each mode; eager and graph must agree bit for bit.
+/// Returns the exit code.
+int run_parity(Engine& eng, const Args& a, const Setup& s, json& out) {
+  const int P = a.teacher_force, n = static_cast<int>(s.prompt.size()), V = s.cfg.vocab_size;
+  std::vector<std::vector<float>> per_mode;
+  for (const auto& m : s.modes) {
+    std::vector<float> logits(std::size_t(n - P + 1) * V);
+    auto& book = eng.kv();
+    const int slot = book.acquire_slot();
+    book.ensure(slot, n);
+    (void)eng.prefill(slot, std::span<const int>(s.prompt.data(), P), 0, std::span<float>(logits.data(), V));
+    for (int i = P; i < n; ++i) {
+      DecodeRow row{slot, s.prompt[i], i};
+      int next = 0;
+      eng.decode(std::span<const DecodeRow>(&row, 1), m == "graph", std::span<int>(&next, 1),
+                 std::span<float>(logits.data() + std::size_t(i - P + 1) * V, V));
+    }
+    book.release(slot);
+    per_mode.push_back(std::move(logits));
+  }
+  int rc = 0;
+  if (per_mode.size() == 2) {
+    const bool same = per_mode[0] == per_mode[1];
+    out["parity_eager_graph_logits_identical"] = same;
+    fmt::print("teacher-forced logits eager vs graph: {}\n", same ? "bit-identical" : "DIFFERENT");
+    if (!same) rc = 1;
+  }
+  if (!a.dump_logits.empty()) {
+    std::ofstream f(a.dump_logits, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(per_mode.back().data()),
+            static_cast<std::streamsize>(per_mode.back().size() * sizeof(float)));
+    if (!f) throw input_error("cannot write " + a.dump_logits);
+    fmt::print("wrote {} steps x {} logits to {}\n", n - P + 1, V, a.dump_logits);
+  }
+  return rc;
+}
+
+/// Generation (and the staggered demo): the sequences in each mode; eager and graph must give the
+/// same tokens. Returns the exit code.
+int run_generation(Engine& eng, const Args& a, const Setup& s, json& out) {
+  std::vector<RunResult> results;
+  for (const auto& m : s.modes) {
+    const bool looped = m == "graph" && a.tokens_per_launch > 0;  // batch 1 (checked by prepare)
+    if (!a.quiet && looped) fmt::print("[{}] 1 sequence, device loop, {} tokens per launch\n", m, a.tokens_per_launch);
+    else if (!a.quiet) fmt::print("[{}] {} sequence(s)\n", m, s.seqs.size());
+    results.push_back(looped ? run_looped(eng, s.seqs[0], a.tokens_per_launch)
+                             : run_schedule(eng, s.seqs, s.join, m == "graph", a.demo && !a.quiet));
+    const auto& r = results.back();
+    const auto st = replay_examples::summarize(r.step_us);
+    if (!a.quiet) {
+      for (std::size_t i = 0; i < s.seqs.size() && i < 4; ++i)
+        fmt::print("  seq {}: {}{}\n", i,
+                   fmt::join(r.tokens[i].begin(), r.tokens[i].begin() + std::min<std::size_t>(r.tokens[i].size(), 24), ","),
+                   r.tokens[i].size() > 24 ? ",..." : "");
+      if (looped)
+        fmt::print("  {} launches, median {:.1f} us per token, prefill {:.1f} ms\n", st.count, st.median, r.prefill_ms);
+      else
+        fmt::print("  {} decode steps, median step {:.1f} us, prefill {:.1f} ms\n", st.count, st.median, r.prefill_ms);
+    }
+    if (looped) out[m]["tokens_per_launch"] = a.tokens_per_launch;
+    out[m]["tokens"] = r.tokens;
+    out[m]["median_step_us"] = st.median;
+    out[m]["decode_steps"] = st.count;
+    out[m]["step_buckets"] = r.step_bucket;
+    out[m]["step_rows"] = r.step_rows;
+  }
+  int rc = 0;
+  if (results.size() == 2) {
+    const bool same = results[0].tokens == results[1].tokens;
+    out["identical_tokens"] = same;
+    fmt::print("eager vs graph tokens: {}\n", same ? "identical" : "DIFFERENT");
+    if (!same) rc = 1;
+  }
+  if (a.demo) {
+    const auto& r = results.back();
+    long long real = 0, run = 0;
+    std::set<int> bs(r.step_bucket.begin(), r.step_bucket.end());
+    for (std::size_t i = 0; i < r.step_rows.size(); ++i) real += r.step_rows[i], run += r.step_bucket[i];
+    fmt::print("demo: {} steps, buckets used {}, padding waste {:.1f}% ({} padded rows of {})\n", r.step_rows.size(),
+               fmt::join(bs, ","), 100.0 * (run - real) / run, run - real, run);
+    out["demo"] = {{"buckets_used", std::vector<int>(bs.begin(), bs.end())}, {"padding_waste", double(run - real) / run}};
+  }
+  return rc;
+}
+
+/// The benchmark: batch-1 TPOT per mode and of the device loop against the bytes floor and the
+/// kernel-per-matrix chain floor (both measured now), batch 1 after a long prompt, batched throughput.
+void run_bench(Engine& eng, const Args& a, const Setup& s, const std::string& dev, json& out) {
+  const Config& cfg = s.cfg;
+  const auto& prompt = s.prompt;
+  const int steps = s.steps;
+  const bool graph = std::find(s.modes.begin(), s.modes.end(), "graph") != s.modes.end();
+  if (graph) {
+    replay_examples::stopwatch sw;
+    const std::size_t n = eng.prewarm_graphs();  // every bucket captured up front, largest first
+    fmt::print("prewarm: {} graphs captured in {:.1f} ms\n", n, sw.elapsed_ms());
+  }
+  const double bw = d2d_bandwidth(eng.stream());
+  const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
+  fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps\n", cfg.name, dev, prompt.size(), steps);
+  const double rbw = read_bandwidth(eng.stream());
+  fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
+             mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
+  fmt::print("read-only streaming kernel: {:.0f} GB/s ({:.1f}% of D2D); at that rate the weights take {:.3f} ms\n",
+             rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
+  const double chain_ms = chain_floor_ms(cfg, eng.stream());
+  if (chain_ms > 0)
+    fmt::print("kernel-per-matrix chain floor (a graph of {} streaming-read kernels with this step's matrix sizes, "
+               "PDL): {:.3f} ms\n",
+               5 * cfg.num_hidden_layers + 1, chain_ms);
+  else
+    fmt::print("kernel-per-matrix chain floor: skipped (no device memory for a copy of the weights)\n");
+  replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "% of D2D",
+                            "x bytes floor", "x chain floor"});
+  double tpot_graph_ms = 0;
+  auto add_tpot_row = [&](const std::string& name, const replay_examples::stats& st) {
+    const double tpot = st.median * 1e-6;
+    t.add_row({name, fmt::format("{:.3f}", st.median / 1e3), fmt::format("{:.3f}", st.p10 / 1e3),
+               fmt::format("{:.3f}", st.p90 / 1e3), fmt::format("{:.1f}", 1.0 / tpot),
+               fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw), fmt::format("{:.2f}", tpot / (wbytes / bw)),
+               chain_ms > 0 ? fmt::format("{:.2f}", st.median / 1e3 / chain_ms) : std::string("-")});
+    out["bench"]["batch1"][name] = {{"tpot_ms", st.median / 1e3}, {"p10_ms", st.p10 / 1e3}, {"p90_ms", st.p90 / 1e3},
+                                    {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
+                                    {"pct_d2d", 100.0 * wbytes / tpot / bw}};
+  };
+  for (const auto& m : s.modes) {
+    std::vector<SequenceRequest> one{{prompt, steps + 1}};
+    (void)run_schedule(eng, std::vector<SequenceRequest>{{prompt, 4}}, {0}, m == "graph", false);  // warm-up
+    const auto r = run_schedule(eng, one, {0}, m == "graph", false);
+    const auto st = replay_examples::summarize(r.step_us);
+    if (m == "graph") tpot_graph_ms = st.median / 1e3;
+    add_tpot_row(m, st);
+  }
+  if (tpot_graph_ms > 0) {
+    // The device loop at K = 1 and K = 16 tokens per launch: per token, the host wall time of a
+    // launch (push, launch, read back) over the tokens it produced; `steps` samples each (the same
+    // sequence rerun as often as needed), median.
+    double loop_us[2] = {0, 0};
+    const int ks[2] = {1, 16};
+    for (int i = 0; i < 2; ++i) {
+      (void)run_looped(eng, SequenceRequest{prompt, 4}, ks[i]);  // warm-up (the first captures the loop)
+      std::vector<double> per_token;
+      for (int rep = 0; rep < 64 && per_token.size() < static_cast<std::size_t>(steps); ++rep) {
+        const auto r = run_looped(eng, SequenceRequest{prompt, steps + 1}, ks[i]);
+        per_token.insert(per_token.end(), r.step_us.begin(), r.step_us.end());
+      }
+      const auto st = replay_examples::summarize(per_token);
+      loop_us[i] = st.median;
+      add_tpot_row(fmt::format("loop K={}", ks[i]), st);
+    }
+    // Per token, a launch of K tokens costs about d + h / K: d on the device, h on the host once
+    // per launch (the metadata push, the launch, the wait for the read-back).
+    const double h = (loop_us[0] - loop_us[1]) * 16.0 / 15.0, d = loop_us[0] - h;
+    fmt::print("device loop per token: K=1 {:.1f} us, K=16 {:.1f} us, per-step graph {:.1f} us; as d + h/K: "
+               "device d = {:.1f} us, host share per launch h = {:.1f} us (K=16 pays {:.1f} us of it per token)\n",
+               loop_us[0], loop_us[1], tpot_graph_ms * 1e3, d, h, h / 16.0);
+    out["bench"]["loop_fit"] = {{"device_us_per_token", d}, {"host_us_per_launch", h}};
+  }
+  out["bench"]["d2d_GBps"] = bw / 1e9;
+  out["bench"]["read_GBps"] = rbw / 1e9;
+  out["bench"]["bytes_floor_ms"] = wbytes / bw * 1e3;
+  if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;
+  out["bench"]["weight_bytes_per_step"] = wbytes;
+  fmt::print("{}", t.markdown());
+
+  if (a.long_prompt > 0) {
+    // Batch 1 after a long prompt: each step also reads the sequence's K/V (every layer, K and V).
+    const std::vector<int> lp = random_prompt(a.long_prompt, cfg.vocab_size, s.seed + 99);
+    const auto r = run_schedule(eng, {SequenceRequest{lp, steps + 1}}, {0}, true, false);
+    const auto st = replay_examples::summarize(r.step_us);
+    const double kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.kv_dim() * sizeof(bf16);
+    const double kv_bytes = kv_per_token * (a.long_prompt + steps / 2.0);  // mean context over the steps
+    const double floor_ms = (wbytes + kv_bytes) / bw * 1e3;
+    fmt::print("\n## Long context: batch 1 (graph) after a {}-token prompt, {} steps\n"
+               "TPOT median {:.3f} ms; bytes floor (weights + {:.1f} MiB of K/V per step) {:.3f} ms: {:.2f}x\n",
+               a.long_prompt, steps, st.median / 1e3, mib(kv_bytes), floor_ms, st.median / 1e3 / floor_ms);
+    out["bench"]["long_context"] = {{"prompt", a.long_prompt}, {"tpot_ms", st.median / 1e3},
+                                    {"kv_bytes_per_step", kv_bytes}, {"bytes_floor_ms", floor_ms}};
+  }
+
+  replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT"});
+  for (int b : s.bench_batches) {
+    for (const auto& m : s.modes) {
+      std::vector<SequenceRequest> bs;
+      for (int i = 0; i < b; ++i)
+        bs.push_back({random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, s.seed + 7 * i), steps + 1});
+      std::vector<int> j(b, 0);
+      (void)run_schedule(eng, bs, j, m == "graph", false);
+      const auto r = run_schedule(eng, bs, j, m == "graph", false);
+      const auto st = replay_examples::summarize(r.step_us);
+      tb.add_row({std::to_string(b), std::to_string(eng.bucket_for(b)), m, fmt::format("{:.3f}", st.median / 1e3),
+                  fmt::format("{:.0f}", b / (st.median * 1e-6)),
+                  tpot_graph_ms > 0 ? fmt::format("{:.2f}", st.median / 1e3 / tpot_graph_ms) : std::string("-")});
+      out["bench"]["batched"][m][std::to_string(b)] = {
+          {"step_ms", st.median / 1e3}, {"tokens_per_s", b / (st.median * 1e-6)}, {"bucket", eng.bucket_for(b)}};
+    }
+  }
+  fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());
+  const int largest = eng.buckets().back();
+  fmt::print("bucket policy: powers of two up to {}; padding waste for batch sizes 1..{} equally likely: {:.1f}%\n",
+             largest, largest, 100.0 * uniform_padding_waste(eng, largest));
+  out["bench"]["uniform_padding_waste"] = uniform_padding_waste(eng, largest);
+}
+
+/// The memory report: weights, KV pool, buffers and the captured graphs, and the graph counters.
+void report_memory(const Engine& eng, bool quiet, json& out) {
+  const auto gs = eng.graph_stats();
+  out["memory"] = {{"weights_bytes", eng.weight_bytes()}, {"kv_pool_bytes", eng.kv_pool_bytes()},
+                   {"buffers_bytes", eng.buffer_bytes()}, {"graphs_bytes", gs.graph_bytes}};
+  json kpb = json::object();
+  for (const auto& [b, k] : gs.nodes_per_bucket) kpb[std::to_string(b)] = k;
+  out["pool"] = json::parse(eng.pool_stats().to_json());
+  out["graphs"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager_steps", gs.eager_steps},
+                   {"fallback_steps", gs.fallback_steps}, {"nodes_per_bucket", kpb},
+                   {"padded_rows", gs.padded_rows}, {"real_rows", gs.real_rows}};
+  if (quiet) return;
+  std::string kp;
+  for (const auto& [b, k] : gs.nodes_per_bucket) kp += fmt::format(" {}:{}", b, k);
+  fmt::print("memory: weights {:.1f} MiB, KV pool {:.1f} MiB, buffers {:.1f} MiB, graphs {:.2f} MiB ({} captured; "
+             "nodes per bucket{})\n",
+             mib(eng.weight_bytes()), mib(eng.kv_pool_bytes()), mib(eng.buffer_bytes()), mib(gs.graph_bytes),
+             gs.captures, kp);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Qwen3-style decoder with a paged KV cache: eager and CUDA-graph decode"};
+  Args a;
+  add_flags(app, a);
   CLI11_PARSE(app, argc, argv);
-
   try {
-    // ---- everything below up to the Engine is host-only: bad input fails before GPU work --------
-    if (gen < 1 || gen > (1 << 20)) throw input_error(fmt::format("--gen {} must be in 1..1048576", gen));
-    if (batch < 1 || batch > 1024) throw input_error(fmt::format("--batch {} must be in 1..1024", batch));
-    if (max_context < 2 || max_context > (1 << 24))
-      throw input_error(fmt::format("--max-context {} must be in 2..16777216", max_context));
-    if (max_bucket < 1 || max_bucket > 1024) throw input_error(fmt::format("--max-bucket {} must be in 1..1024", max_bucket));
-    if (!std::isfinite(kv_mb) || kv_mb <= 0 || kv_mb > double(1 << 24))
-      throw input_error(fmt::format("--kv-mem-mb {} must be a positive number of MiB, at most 16777216", kv_mb));
-    if (seed_arg < 0) throw input_error(fmt::format("--seed {} must be non-negative", seed_arg));
-    if (random_prompt_n < 0 || random_prompt_n > max_context)
-      throw input_error(fmt::format("--random-prompt {} must be in 0..--max-context ({})", random_prompt_n, max_context));
-    if (app.count("--prompt") > 0 && prompt_s.empty()) throw input_error("--prompt: empty prompt");
-    if (bench_steps < 0 || bench_steps > (1 << 20)) throw input_error("--bench-steps must be in 0..1048576");
-    if (long_prompt < 0 || long_prompt > (1 << 24)) throw input_error("--long-prompt must be in 0..16777216");
-    if (app.count("--tokens-per-launch") > 0) {
-      if (tokens_per_launch < 1 || tokens_per_launch > kMaxTokensPerLaunch)
-        throw input_error(
-            fmt::format("--tokens-per-launch {} must be in 1..{}", tokens_per_launch, kMaxTokensPerLaunch));
-      if (batch != 1)
-        throw input_error(fmt::format("--tokens-per-launch decodes one sequence: it needs --batch 1 (got {})", batch));
-      if (demo || teacher_force >= 0)
-        throw input_error("--tokens-per-launch does not combine with --demo or --teacher-force");
-      if (mode == "eager") throw input_error("--tokens-per-launch is a graph path: use --mode graph or both");
-    }
-    const auto seed = static_cast<std::uint64_t>(seed_arg);
-    if (app.count("--model") != 0 && model_dir.empty()) throw input_error("--model: the path is empty");
-    Config cfg;
-    std::optional<replay_examples::safetensors> st;
-    if (!model_dir.empty()) {
-      cfg = config_from_file(model_dir);
-      try {
-        st = replay_examples::safetensors::open(model_dir);
-      } catch (const replay_examples::safetensors_error& e) {
-        throw input_error(fmt::format("weights: {}", e.what()));
-      }
-      check_weights(cfg, *st);
-    } else {
-      cfg = qwen::preset(preset);
-    }
-    const int steps = bench_steps > 0 ? bench_steps : gen;
-    if (bench && long_prompt > 0) max_context = std::max(max_context, long_prompt + steps + 2);
-    if (app.count("--max-context") == 0) max_context = std::min(max_context, cfg.max_position_embeddings);
-    if (max_context > cfg.max_position_embeddings)
-      throw input_error(fmt::format("--max-context {} exceeds the model's max_position_embeddings {}", max_context,
-                                    cfg.max_position_embeddings));
-    EngineOptions opt;
-    opt.max_bucket = max_bucket;
-    opt.eager_fallback = !no_fallback;
-    opt.kv_budget_bytes = static_cast<std::size_t>(kv_mb * 1048576.0);
-    opt.max_context = max_context;
-    opt.seed = seed;
-    opt.gemv_max_rows = gemv_max_rows;
-
-    std::vector<int> prompt;
-    if (!prompt_s.empty()) prompt = parse_ids(prompt_s, "--prompt");
-    else prompt = random_prompt(random_prompt_n > 0 ? static_cast<int>(random_prompt_n) : 8, cfg.vocab_size, seed);
-
-    const bool parity = teacher_force >= 0;
-    std::vector<int> bench_batches;
-    if (bench) bench_batches = parse_ids(bench_batches_s, "--bench-batches");
-    std::vector<SequenceRequest> seqs;
-    std::vector<int> join;
-    if (parity) {
-      if (teacher_force < 1 || teacher_force > static_cast<int>(prompt.size()))
-        throw input_error(fmt::format("--teacher-force {} must be in 1..prompt length {}", teacher_force, prompt.size()));
-      seqs.push_back({prompt, 1});
-    } else if (demo) {
-      // Sequences of different prompt and output lengths joining at different steps.
-      const int n = std::max(batch, 12);
-      for (int i = 0; i < n; ++i) {
-        seqs.push_back({random_prompt(4 + 3 * (i % 7), cfg.vocab_size, seed + 100 + i), 6 + (i * 7) % 23});
-        join.push_back(i < 4 ? 0 : 2 * (i - 3));
-      }
-    } else {
-      for (int i = 0; i < batch; ++i) {
-        seqs.push_back({i == 0 || !prompt_s.empty() ? prompt : random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, seed + i), gen});
-        join.push_back(0);
-      }
-    }
-    opt.max_batch = std::max(64, static_cast<int>(seqs.size()));
-    for (int b : bench_batches) opt.max_batch = std::max(opt.max_batch, b);
-    if (bench && app.count("--kv-mem-mb") == 0) {
-      // The bench's largest request (a full batch of short prompts, or the long prompt) sizes the KV budget.
-      const std::int64_t per_seq = (std::int64_t(prompt.size()) + steps + 1 + opt.block_size - 1) / opt.block_size;
-      std::int64_t blocks = 0;
-      for (int b : bench_batches) blocks = std::max(blocks, b * per_seq);
-      blocks = std::max(blocks, (std::int64_t(long_prompt) + steps + 1 + opt.block_size - 1) / opt.block_size);
-      opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
-    }
-    validate_request(cfg, opt, seqs);
-    if (bench) {
-      std::vector<SequenceRequest> bseqs;
-      for (int b : bench_batches) {
-        if (b < 1 || b > 1024) throw input_error("--bench-batches: batch sizes must be in 1..1024");
-        bseqs.assign(b, SequenceRequest{prompt, steps + 1});
-        validate_request(cfg, opt, bseqs);
-      }
-      if (long_prompt > 0) validate_request(cfg, opt, {SequenceRequest{std::vector<int>(long_prompt, 0), steps + 1}});
-    }
-
-    // ---- GPU work ---------------------------------------------------------------------------
+    const Setup s = prepare(a, app);  // host only: bad input fails before any GPU work
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
       fmt::print(stderr, "error: no CUDA device\n");
       return 3;
     }
     const std::string dev = replay_examples::device_name();
+    const Config& cfg = s.cfg;
     replay_examples::stopwatch load_sw;
-    Engine eng(cfg, opt, st ? &*st : nullptr);
+    Engine eng(cfg, s.opt, s.weights ? &*s.weights : nullptr);
     const double load_ms = load_sw.elapsed_ms();
-    if (!dump_graph.empty()) {
-      const replay::graph g = replay::capture(eng.stream(), [&](replay::stream_ref s) { eng.record_decode_step(1, s); });
-      replay::write_graph_summary(g, dump_graph);
+    if (!a.dump_graph.empty()) {
+      const replay::graph g = replay::capture(eng.stream(), [&](replay::stream_ref cs) { eng.record_decode_step(1, cs); });
+      replay::write_graph_summary(g, a.dump_graph);
     }
     json out;
     out["device"] = dev;
     out["model"] = cfg.name;
-    out["weights"] = model_dir.empty() ? "random" : model_dir;
+    out["weights"] = a.model_dir.empty() ? "random" : a.model_dir;
     out["load_ms"] = load_ms;
     out["kernels"] = eng.describe_kernels();
-    if (!quiet)
+    if (!a.quiet)
       fmt::print("device: {}\nmodel: {} ({} layers, hidden {}, {} q / {} kv heads, vocab {}), weights {}, {:.1f} MiB; "
-                 "KV pool {} blocks x {} tokens = {:.1f} MiB\n",
+                 "KV pool {} blocks x {} tokens = {:.1f} MiB\n{}\n",
                  dev, cfg.name, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                 cfg.num_key_value_heads, cfg.vocab_size, model_dir.empty() ? "random" : model_dir,
-                 mib(eng.weight_bytes()), eng.kv().num_blocks(), eng.kv().block_size(), mib(eng.kv_pool_bytes()));
-    if (!quiet) fmt::print("{}\n", eng.describe_kernels());
+                 cfg.num_key_value_heads, cfg.vocab_size, a.model_dir.empty() ? "random" : a.model_dir,
+                 mib(eng.weight_bytes()), eng.kv().num_blocks(), eng.kv().block_size(), mib(eng.kv_pool_bytes()),
+                 eng.describe_kernels());
 
-    std::vector<std::string> modes;
-    if (mode == "both") modes = {"eager", "graph"};
-    else modes = {mode};
     int rc = 0;
-
-    if (parity) {
-      // Teacher forcing: logits after the prefix, then after each forced token.
-      const int P = teacher_force, n = static_cast<int>(prompt.size()), V = cfg.vocab_size;
-      std::vector<std::vector<float>> per_mode;
-      for (const auto& m : modes) {
-        std::vector<float> logits(std::size_t(n - P + 1) * V);
-        auto& book = eng.kv();
-        const int slot = book.acquire_slot();
-        book.ensure(slot, n);
-        (void)eng.prefill(slot, std::span<const int>(prompt.data(), P), 0, std::span<float>(logits.data(), V));
-        for (int i = P; i < n; ++i) {
-          DecodeRow row{slot, prompt[i], i};
-          int next = 0;
-          eng.decode(std::span<const DecodeRow>(&row, 1), m == "graph", std::span<int>(&next, 1),
-                     std::span<float>(logits.data() + std::size_t(i - P + 1) * V, V));
-        }
-        book.release(slot);
-        per_mode.push_back(std::move(logits));
-      }
-      if (per_mode.size() == 2) {
-        const bool same = per_mode[0] == per_mode[1];
-        out["parity_eager_graph_logits_identical"] = same;
-        fmt::print("teacher-forced logits eager vs graph: {}\n", same ? "bit-identical" : "DIFFERENT");
-        if (!same) rc = 1;
-      }
-      if (!dump_logits.empty()) {
-        std::ofstream f(dump_logits, std::ios::binary);
-        f.write(reinterpret_cast<const char*>(per_mode.back().data()),
-                static_cast<std::streamsize>(per_mode.back().size() * sizeof(float)));
-        if (!f) throw input_error("cannot write " + dump_logits);
-        fmt::print("wrote {} steps x {} logits to {}\n", n - P + 1, V, dump_logits);
-      }
-    } else if (!bench || demo) {
-      std::vector<RunResult> results;
-      for (const auto& m : modes) {
-        const bool looped = m == "graph" && tokens_per_launch > 0;  // batch 1 (checked above)
-        if (!quiet && looped) fmt::print("[{}] 1 sequence, device loop, {} tokens per launch\n", m, tokens_per_launch);
-        else if (!quiet) fmt::print("[{}] {} sequence(s)\n", m, seqs.size());
-        results.push_back(looped ? run_looped(eng, seqs[0], tokens_per_launch)
-                                 : run_schedule(eng, seqs, join, m == "graph", demo && !quiet));
-        const auto& r = results.back();
-        const auto s = replay_examples::summarize(r.step_us);
-        if (!quiet) {
-          for (std::size_t i = 0; i < seqs.size() && i < 4; ++i)
-            fmt::print("  seq {}: {}{}\n", i, fmt::join(r.tokens[i].begin(), r.tokens[i].begin() + std::min<std::size_t>(r.tokens[i].size(), 24), ","),
-                       r.tokens[i].size() > 24 ? ",..." : "");
-          if (looped)
-            fmt::print("  {} launches, median {:.1f} us per token, prefill {:.1f} ms\n", s.count, s.median,
-                       r.prefill_ms);
-          else
-            fmt::print("  {} decode steps, median step {:.1f} us, prefill {:.1f} ms\n", s.count, s.median,
-                       r.prefill_ms);
-        }
-        if (looped) out[m]["tokens_per_launch"] = tokens_per_launch;
-        out[m]["tokens"] = r.tokens;
-        out[m]["median_step_us"] = s.median;
-        out[m]["decode_steps"] = s.count;
-        out[m]["step_buckets"] = r.step_bucket;
-        out[m]["step_rows"] = r.step_rows;
-      }
-      if (results.size() == 2) {
-        const bool same = results[0].tokens == results[1].tokens;
-        out["identical_tokens"] = same;
-        fmt::print("eager vs graph tokens: {}\n", same ? "identical" : "DIFFERENT");
-        if (!same) rc = 1;
-      }
-      if (demo) {
-        long long real = 0, run = 0;
-        std::set<int> bs(results.back().step_bucket.begin(), results.back().step_bucket.end());
-        for (std::size_t i = 0; i < results.back().step_rows.size(); ++i)
-          real += results.back().step_rows[i], run += results.back().step_bucket[i];
-        fmt::print("demo: {} steps, buckets used {}, padding waste {:.1f}% ({} padded rows of {})\n",
-                   results.back().step_rows.size(), fmt::join(bs, ","), 100.0 * (run - real) / run, run - real, run);
-        out["demo"] = {{"buckets_used", std::vector<int>(bs.begin(), bs.end())},
-                       {"padding_waste", double(run - real) / run}};
-      }
-    }
-
-    if (bench) {
-      if (std::find(modes.begin(), modes.end(), "graph") != modes.end()) {
-        replay_examples::stopwatch sw;
-        const std::size_t n = eng.prewarm_graphs();  // every bucket captured up front, largest first
-        fmt::print("prewarm: {} graphs captured in {:.1f} ms\n", n, sw.elapsed_ms());
-      }
-      const double bw = d2d_bandwidth(eng.stream());
-      const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
-      fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps\n", cfg.name, dev, prompt.size(), steps);
-      const double rbw = read_bandwidth(eng.stream());
-      fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
-                 mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
-      fmt::print("read-only streaming kernel: {:.0f} GB/s ({:.1f}% of D2D); at that rate the weights take {:.3f} ms\n",
-                 rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
-      const double chain_ms = chain_floor_ms(cfg, eng.stream());
-      if (chain_ms > 0)
-        fmt::print("kernel-per-matrix chain floor (a graph of {} streaming-read kernels with this step's matrix sizes, "
-                   "PDL): {:.3f} ms\n",
-                   5 * cfg.num_hidden_layers + 1, chain_ms);
-      else
-        fmt::print("kernel-per-matrix chain floor: skipped (no device memory for a copy of the weights)\n");
-      replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "% of D2D",
-                                "x bytes floor", "x chain floor"});
-      double tpot_graph_ms = 0;
-      auto add_tpot_row = [&](const std::string& name, const replay_examples::stats& s) {
-        const double tpot = s.median * 1e-6;
-        t.add_row({name, fmt::format("{:.3f}", s.median / 1e3), fmt::format("{:.3f}", s.p10 / 1e3),
-                   fmt::format("{:.3f}", s.p90 / 1e3), fmt::format("{:.1f}", 1.0 / tpot),
-                   fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw), fmt::format("{:.2f}", tpot / (wbytes / bw)),
-                   chain_ms > 0 ? fmt::format("{:.2f}", s.median / 1e3 / chain_ms) : std::string("-")});
-        out["bench"]["batch1"][name] = {{"tpot_ms", s.median / 1e3}, {"p10_ms", s.p10 / 1e3}, {"p90_ms", s.p90 / 1e3},
-                                        {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
-                                        {"pct_d2d", 100.0 * wbytes / tpot / bw}};
-      };
-      for (const auto& m : modes) {
-        std::vector<SequenceRequest> one{{prompt, steps + 1}};
-        (void)run_schedule(eng, std::vector<SequenceRequest>{{prompt, 4}}, {0}, m == "graph", false);  // warm-up
-        const auto r = run_schedule(eng, one, {0}, m == "graph", false);
-        const auto s = replay_examples::summarize(r.step_us);
-        if (m == "graph") tpot_graph_ms = s.median / 1e3;
-        add_tpot_row(m, s);
-      }
-      if (tpot_graph_ms > 0) {
-        // The device loop at K = 1 and K = 16 tokens per launch: per token, the host wall time of a
-        // launch (push, launch, read back) over the tokens it produced; `steps` samples each (the same
-        // sequence rerun as often as needed), median.
-        double loop_us[2] = {0, 0};
-        const int ks[2] = {1, 16};
-        for (int i = 0; i < 2; ++i) {
-          (void)run_looped(eng, SequenceRequest{prompt, 4}, ks[i]);  // warm-up (the first captures the loop)
-          std::vector<double> per_token;
-          for (int rep = 0; rep < 64 && per_token.size() < static_cast<std::size_t>(steps); ++rep) {
-            const auto r = run_looped(eng, SequenceRequest{prompt, steps + 1}, ks[i]);
-            per_token.insert(per_token.end(), r.step_us.begin(), r.step_us.end());
-          }
-          const auto s = replay_examples::summarize(per_token);
-          loop_us[i] = s.median;
-          add_tpot_row(fmt::format("loop K={}", ks[i]), s);
-        }
-        // Per token, a launch of K tokens costs about d + h / K: d on the device, h on the host once
-        // per launch (the metadata push, the launch, the wait for the read-back).
-        const double h = (loop_us[0] - loop_us[1]) * 16.0 / 15.0, d = loop_us[0] - h;
-        fmt::print("device loop per token: K=1 {:.1f} us, K=16 {:.1f} us, per-step graph {:.1f} us; as d + h/K: "
-                   "device d = {:.1f} us, host share per launch h = {:.1f} us (K=16 pays {:.1f} us of it per token)\n",
-                   loop_us[0], loop_us[1], tpot_graph_ms * 1e3, d, h, h / 16.0);
-        out["bench"]["loop_fit"] = {{"device_us_per_token", d}, {"host_us_per_launch", h}};
-      }
-      out["bench"]["d2d_GBps"] = bw / 1e9;
-      out["bench"]["read_GBps"] = rbw / 1e9;
-      out["bench"]["bytes_floor_ms"] = wbytes / bw * 1e3;
-      if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;
-      out["bench"]["weight_bytes_per_step"] = wbytes;
-      fmt::print("{}", t.markdown());
-
-      if (long_prompt > 0) {
-        // Batch 1 after a long prompt: each step also reads the sequence's K/V (every layer, K and V).
-        const std::vector<int> lp = random_prompt(long_prompt, cfg.vocab_size, seed + 99);
-        const auto r = run_schedule(eng, {SequenceRequest{lp, steps + 1}}, {0}, true, false);
-        const auto s = replay_examples::summarize(r.step_us);
-        const double kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.kv_dim() * sizeof(bf16);
-        const double kv_bytes = kv_per_token * (long_prompt + steps / 2.0);  // mean context over the steps
-        const double floor_ms = (wbytes + kv_bytes) / bw * 1e3;
-        fmt::print("\n## Long context: batch 1 (graph) after a {}-token prompt, {} steps\n"
-                   "TPOT median {:.3f} ms; bytes floor (weights + {:.1f} MiB of K/V per step) {:.3f} ms: {:.2f}x\n",
-                   long_prompt, steps, s.median / 1e3, mib(kv_bytes), floor_ms, s.median / 1e3 / floor_ms);
-        out["bench"]["long_context"] = {{"prompt", long_prompt}, {"tpot_ms", s.median / 1e3},
-                                        {"kv_bytes_per_step", kv_bytes}, {"bytes_floor_ms", floor_ms}};
-      }
-
-      replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT"});
-      for (int b : bench_batches) {
-        for (const auto& m : modes) {
-          std::vector<SequenceRequest> bs;
-          for (int i = 0; i < b; ++i) bs.push_back({random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, seed + 7 * i), steps + 1});
-          std::vector<int> j(b, 0);
-          (void)run_schedule(eng, bs, j, m == "graph", false);
-          const auto r = run_schedule(eng, bs, j, m == "graph", false);
-          const auto s = replay_examples::summarize(r.step_us);
-          tb.add_row({std::to_string(b), std::to_string(eng.bucket_for(b)), m, fmt::format("{:.3f}", s.median / 1e3),
-                      fmt::format("{:.0f}", b / (s.median * 1e-6)),
-                      tpot_graph_ms > 0 ? fmt::format("{:.2f}", s.median / 1e3 / tpot_graph_ms) : std::string("-")});
-          out["bench"]["batched"][m][std::to_string(b)] = {{"step_ms", s.median / 1e3}, {"tokens_per_s", b / (s.median * 1e-6)},
-                                                          {"bucket", eng.bucket_for(b)}};
-        }
-      }
-      fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());
-      fmt::print("bucket policy: powers of two up to {}; padding waste for batch sizes 1..{} equally likely: {:.1f}%\n",
-                 eng.buckets().back(), eng.buckets().back(), 100.0 * uniform_padding_waste(eng, eng.buckets().back()));
-      out["bench"]["uniform_padding_waste"] = uniform_padding_waste(eng, eng.buckets().back());
-    }
-
-    const auto gs = eng.graph_stats();
-    out["memory"] = {{"weights_bytes", eng.weight_bytes()}, {"kv_pool_bytes", eng.kv_pool_bytes()},
-                     {"buffers_bytes", eng.buffer_bytes()}, {"graphs_bytes", gs.graph_bytes}};
-    json kpb = json::object();
-    for (const auto& [b, k] : gs.nodes_per_bucket) kpb[std::to_string(b)] = k;
-    out["pool"] = json::parse(eng.pool_stats().to_json());
-    out["graphs"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager_steps", gs.eager_steps},
-                     {"fallback_steps", gs.fallback_steps}, {"nodes_per_bucket", kpb},
-                     {"padded_rows", gs.padded_rows}, {"real_rows", gs.real_rows}};
-    if (!quiet) {
-      std::string kp;
-      for (const auto& [b, k] : gs.nodes_per_bucket) kp += fmt::format(" {}:{}", b, k);
-      fmt::print("memory: weights {:.1f} MiB, KV pool {:.1f} MiB, buffers {:.1f} MiB, graphs {:.2f} MiB ({} captured; "
-                 "nodes per bucket{})\n",
-                 mib(eng.weight_bytes()), mib(eng.kv_pool_bytes()), mib(eng.buffer_bytes()), mib(gs.graph_bytes),
-                 gs.captures, kp);
-    }
-    if (!json_path.empty()) {
-      std::ofstream f(json_path);
+    if (a.teacher_force >= 0) rc = run_parity(eng, a, s, out);
+    else if (!a.bench || a.demo) rc = run_generation(eng, a, s, out);
+    if (a.bench) run_bench(eng, a, s, dev, out);
+    report_memory(eng, a.quiet, out);
+    if (!a.json_path.empty()) {
+      std::ofstream f(a.json_path);
       f << out.dump(2) << "\n";
-      if (!f) throw input_error("cannot write " + json_path);
+      if (!f) throw input_error("cannot write " + a.json_path);
     }
     return rc;
   } catch (const input_error& e) {
