@@ -197,9 +197,11 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
   int n = blockIdx.x * kGemvWarps + warp, kb = 0;
   replay::pdl::launch_dependents();
   load(wa, n, kb);  // weights do not depend on earlier kernels
+  uint4 gpre[2];
+  if constexpr (NORM) norm_weights_prefetch<kGemvWarps>(in, K, gpre);
   if constexpr (PRE == 1) {
     replay::pdl::wait();
-    stage_x<NORM, kGemvWarps>(in, K, xs, red);
+    stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
     __syncthreads();
     int n2 = n, kb2 = kb;
     advance(n2, kb2);
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     int n3 = n2, kb3 = kb2;
     advance(n3, kb3);
     replay::pdl::wait();
-    stage_x<NORM, kGemvWarps>(in, K, xs, red);
+    stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
     __syncthreads();
     auto step = [&]() { n = n2, kb = kb2, n2 = n3, kb2 = kb3, advance(n3, kb3); };
     while (n < N) {  // two chunks per trip (no dynamic indexing of the register sets)
