@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(256) read_probe_kernel(const uint4* __restrict
 
 __global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden, float eps, bf16* out) {
   replay::pdl::launch_dependents();
+  prefetch_l1(w, hidden);  // the weights do not depend on earlier kernels
   replay::pdl::wait();
   const int r = blockIdx.x;
   const float* x = residual + std::size_t(r) * hidden;
