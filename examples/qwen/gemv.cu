@@ -150,7 +150,8 @@ __device__ __forceinline__ void gemv_argmax_block(float best_v, int best_i, unsi
 //
 // Each warp walks (row, 256*U-wide chunk) in a grid-stride loop and keeps two chunks in two register
 // sets, so it always has U 16-byte loads per lane in flight. Chunk 0 (PRE = 1) or chunks 0 and 1
-// (PRE = 2, "deep") are loaded before pdl::wait(): weights do not depend on earlier kernels. PRE = 2
+// (PRE = 2, "deep") are loaded before pdl::wait(), with the norm weights of the first two staging
+// passes: weights do not depend on earlier kernels. PRE = 2
 // keeps both register sets live across the x staging (fewer resident blocks), which pays only for
 // large matrices with long rows (plan_gemv).
 // ------------------------------------------------------------------------------------------------
