@@ -7,8 +7,9 @@
 #             CTest, compute-sanitizer memcheck of every gpu-labelled test (two passes: memory errors
 #             only, then API errors too, leaving out the suite "expected_cuda_errors"), racecheck of
 #             the PDL chain test, the launch_overhead demo
-#   nanogpt   the NanoGPT CLI: default run with the device loop, --dump-graph, --bench (per-token
-#             table), parity against PyTorch (when torch is installed)
+#   nanogpt   the NanoGPT CLI: default run with the device loop, --dump-graph, racecheck of the device
+#             loop with a stop token, --bench (per-token table), parity against
+#             PyTorch (when torch is installed)
 #   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on reduced cases, parity.py
 #             against transformers (when installed), --bench for the 0.6B and 4B shapes
 #   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
@@ -68,6 +69,11 @@ fi
 if has nanogpt; then
   "$ng" --tokens-per-launch 16 --dump-graph "$out/nanogpt-graph.json" >"$out/nanogpt-run.log" 2>&1
   say "nanogpt default run: rc=$?"; tail -3 "$out/nanogpt-run.log" | tee -a "$sum"
+  # racecheck of the device loop (PDL on, the default) with a stop token inside a launch
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report all --print-limit 20 "$ng" \
+    --tokens-per-launch 16 --stop e -n 40 --mode both >"$out/racecheck-nanogpt-loop.log" 2>&1
+  echo "racecheck nanogpt device loop, stop token: rc=$?; $(grep -E 'RACECHECK SUMMARY' \
+    "$out/racecheck-nanogpt-loop.log")" | tee -a "$sum"
   "$ng" --bench >"$out/nanogpt-bench.log" 2>&1
   sed -n '/Decode time per token/,$p' "$out/nanogpt-bench.log" | tee -a "$sum"
   if python3 -c 'import torch' 2>/dev/null; then
