@@ -614,9 +614,10 @@ void run_bench(Engine& eng, const Args& a, const Setup& s, const std::string& de
   }
   fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());
   const int largest = eng.buckets().back();
+  const double waste = uniform_padding_waste(eng, largest);
   fmt::print("bucket policy: powers of two up to {}; padding waste for batch sizes 1..{} equally likely: {:.1f}%\n",
-             largest, largest, 100.0 * uniform_padding_waste(eng, largest));
-  out["bench"]["uniform_padding_waste"] = uniform_padding_waste(eng, largest);
+             largest, largest, 100.0 * waste);
+  out["bench"]["uniform_padding_waste"] = waste;
 }
 
 /// The memory report: weights, KV pool, buffers and the captured graphs, and the graph counters.
