@@ -1,16 +1,21 @@
-// GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the fused
-// GEMV (CUDA-core and tensor-core) agrees with cuBLAS; paged KV keeps sequences apart across
-// buckets; decode agrees with prefill, also with split-KV at long context; every supported head
-// shape (head_dim 64 and 128, 1..8 query heads per kv head) runs; the device loop (decode_loop)
-// gives the per-step graph path's tokens for any tokens per launch, stops on a stop token inside a
-// launch and at the end of the context; bad input is rejected before any launch.
+// GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the batch-1
+// GEMV agrees with a host reference; the fused GEMV (CUDA-core and tensor-core) agrees with cuBLAS;
+// paged KV keeps sequences apart across buckets; decode agrees with prefill, also with split-KV at
+// long context; every supported head shape (head_dim 64 and 128, 1..8 query heads per kv head) runs;
+// the device loop (decode_loop) gives the per-step graph path's tokens for any tokens per launch,
+// stops on a stop token inside a launch and at the end of the context; bad input is rejected before
+// any launch.
 #include <doctest/doctest.h>
 
 #include "gpu_test.hpp"
+#include "qwen/kernels.cuh"
 #include "qwen/model.hpp"
+
+#include <common/device.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <span>
 #include <string>
@@ -144,6 +149,107 @@ TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV a
         CHECK(st.nodes_per_bucket.at(8) > 2 + 5 * cfg.num_hidden_layers);
       }
     }
+}
+
+/// One batch-1 GEMV (`mode`, N x K) on the kernel plan_gemv picks, against a host reference in double
+/// over the same bf16 inputs: every output written, within fp32 rounding of the reference, and the
+/// same bits when run again.
+static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want) {
+  CAPTURE(static_cast<int>(mode));
+  CAPTURE(N);
+  CAPTURE(K);
+  replay::stream s;
+  init_gemv_attributes();
+  const int R = mode == gemv_out::silu_mul ? 2 : 1;
+  const bool norm = mode != gemv_out::add_f32;
+  std::uint64_t state = 0x9E3779B97F4A7C15ull ^ (std::uint64_t(N) << 20) ^ std::uint64_t(K);
+  auto uniform = [&] {  // in [-1, 1)
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(state >> 40) / float(1 << 23) - 1.f;
+  };
+  std::vector<bf16> w(std::size_t(R) * N * K), g(K), xb(K);
+  std::vector<float> xf(K), y0(N);
+  for (auto& v : w) v = __float2bfloat16(uniform());
+  for (auto& v : g) v = __float2bfloat16(1.f + 0.5f * uniform());
+  for (int k = 0; k < K; ++k) xf[k] = 3.f * uniform(), xb[k] = __float2bfloat16(uniform());
+  for (auto& v : y0) v = uniform();
+
+  // The reference: x as the kernels stage it (bf16, normalised with the fp32 RMS scale), then dot
+  // products in double.
+  std::vector<double> x(K);
+  if (norm) {
+    float ss = 0.f;
+    for (float v : xf) ss += v * v;
+    const float rs = 1.f / std::sqrt(ss / K + 1e-6f);
+    for (int k = 0; k < K; ++k) x[k] = __bfloat162float(__float2bfloat16(xf[k] * rs * __bfloat162float(g[k])));
+  } else {
+    for (int k = 0; k < K; ++k) x[k] = __bfloat162float(xb[k]);
+  }
+  std::vector<double> ref(N);
+  for (int n = 0; n < N; ++n) {
+    double d[2] = {0, 0};
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < K; ++k) d[r] += double(__bfloat162float(w[(std::size_t(r) * N + n) * K + k])) * x[k];
+    ref[n] = mode == gemv_out::add_f32    ? y0[n] + d[0]
+             : mode == gemv_out::silu_mul ? d[0] / (1.0 + std::exp(-d[0])) * d[1]
+                                          : d[0];
+  }
+
+  replay::device_buffer<bf16> dw(w.size()), dg(K), dxb(K), dyb(N);
+  replay::device_buffer<float> dxf(K), dyf(N);
+  replay::device_buffer<unsigned long long> keys(1);
+  REPLAY_CHECK(cudaMemcpyAsync(dw.data(), w.data(), w.size() * sizeof(bf16), cudaMemcpyHostToDevice, s.get()));
+  REPLAY_CHECK(cudaMemcpyAsync(dg.data(), g.data(), K * sizeof(bf16), cudaMemcpyHostToDevice, s.get()));
+  REPLAY_CHECK(cudaMemcpyAsync(dxb.data(), xb.data(), K * sizeof(bf16), cudaMemcpyHostToDevice, s.get()));
+  REPLAY_CHECK(cudaMemcpyAsync(dxf.data(), xf.data(), K * sizeof(float), cudaMemcpyHostToDevice, s.get()));
+  Linear op;
+  op.W = dw.data(), op.N = N, op.K = K, op.mode = mode, op.ldy = N;
+  op.in = norm ? GemvIn{.x_f32 = dxf.data(), .norm_w = dg.data()} : GemvIn{.x_bf16 = dxb.data()};
+  op.y_f32 = dyf.data(), op.y_bf16 = dyb.data(), op.keys = keys.data();
+  const GemvPlan plan = plan_gemv(op, 1, replay_examples::sm_count());
+  REQUIRE(plan.kind == want);
+
+  std::vector<double> got[2];
+  for (auto& out : got) {
+    replay_test::poison(dyb.data(), N * sizeof(bf16), s);
+    if (mode == gemv_out::add_f32)
+      REPLAY_CHECK(cudaMemcpyAsync(dyf.data(), y0.data(), N * sizeof(float), cudaMemcpyHostToDevice, s.get()));
+    else
+      replay_test::poison(dyf.data(), N * sizeof(float), s);
+    REPLAY_CHECK(cudaMemsetAsync(keys.data(), 0, sizeof(unsigned long long), s.get()));
+    launch_gemv(op, 1, plan, s);
+    if (mode == gemv_out::silu_mul)
+      for (bf16 v : replay_test::to_host(dyb.data(), N, s)) out.push_back(__bfloat162float(v));
+    else
+      for (float v : replay_test::to_host(dyf.data(), N, s)) out.push_back(v);
+    if (mode == gemv_out::argmax) {
+      const auto key = replay_test::to_host(keys.data(), 1, s)[0];
+      const int idx = static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu));
+      REQUIRE(idx >= 0);
+      REQUIRE(idx < N);
+      CHECK(out[idx] == *std::max_element(out.begin(), out.end()));
+      CHECK(std::find(out.begin(), out.end(), out[idx]) - out.begin() == idx);  // the lowest index
+    }
+  }
+  CHECK(got[0] == got[1]);
+  const double tol = mode == gemv_out::silu_mul ? 1e-2 : 1e-4;  // silu_mul rounds its output to bf16
+  double scale = 0;
+  for (double v : ref) scale = std::max(scale, std::abs(v));
+  int bad = 0;
+  for (int n = 0; n < N; ++n) bad += std::abs(got[0][n] - ref[n]) <= tol * scale ? 0 : 1;
+  CHECK(bad == 0);
+}
+
+TEST_CASE("the batch-1 pipelined GEMV: every epilogue, one and two chunks before the wait, against a host reference") {
+  using kind = GemvPlan::kernel;
+  // 1500 x 2304: rows of three chunks (the last a quarter full); 2560 x 4096 and x 9728 (4B's O and
+  // down) and the others: 16 MiB or more, two chunks loaded before the wait.
+  for (gemv_out m : {gemv_out::store_f32, gemv_out::add_f32, gemv_out::silu_mul, gemv_out::argmax})
+    check_batch1_gemv(m, 1500, 2304, kind::pipelined);
+  check_batch1_gemv(gemv_out::add_f32, 2560, 4096, kind::pipelined_deep);
+  check_batch1_gemv(gemv_out::add_f32, 2560, 9728, kind::pipelined_deep);
+  check_batch1_gemv(gemv_out::silu_mul, 2560, 2560, kind::pipelined_deep);
+  check_batch1_gemv(gemv_out::argmax, 7001, 2560, kind::pipelined_deep);
 }
 
 TEST_CASE("the fused GEMV buckets compute what the cuBLAS path computes") {
