@@ -12,6 +12,7 @@
 #include "qwen/model.hpp"
 
 #include <common/device.hpp>
+#include <common/rng.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -162,11 +163,9 @@ static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want
   init_gemv_attributes();
   const int R = mode == gemv_out::silu_mul ? 2 : 1;
   const bool norm = mode != gemv_out::add_f32;
-  std::uint64_t state = 0x9E3779B97F4A7C15ull ^ (std::uint64_t(N) << 20) ^ std::uint64_t(K);
-  auto uniform = [&] {  // in [-1, 1)
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<float>(state >> 40) / float(1 << 23) - 1.f;
-  };
+  const std::uint64_t seed = (std::uint64_t(N) << 20) ^ std::uint64_t(K);
+  std::uint64_t counter = 0;
+  auto uniform = [&] { return 2.f * replay_examples::uniform01(seed, counter++) - 1.f; };  // in [-1, 1)
   std::vector<bf16> w(std::size_t(R) * N * K), g(K), xb(K);
   std::vector<float> xf(K), y0(N);
   for (auto& v : w) v = __float2bfloat16(uniform());
