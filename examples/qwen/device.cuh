@@ -1,7 +1,7 @@
 // examples/qwen/device.cuh: device helpers of the decoder's kernels: bf16 packing, warp sums,
 // streaming loads, the argmax key, per-head RMSNorm + RoPE, the online-softmax state of decode
-// attention, and the mbarrier / bulk-copy wrappers of the ring GEMV. Internal to the example
-// (namespace qwen::dev, every function inline).
+// attention, and the mbarrier, bulk-copy and tensor-copy wrappers of the GEMVs' rings. Internal to
+// the example (namespace qwen::dev, every function inline).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -227,7 +227,7 @@ __device__ __forceinline__ MergedState merge_warp_states(const float* red_m, con
 }
 
 // ------------------------------------------------------------------------------------------------
-// PTX wrappers of the ring GEMV: mbarriers and bulk copies (cp.async.bulk, sm_90)
+// PTX wrappers of the ring GEMVs: mbarriers, bulk and tensor copies (cp.async.bulk[.tensor], sm_90)
 // ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -239,6 +239,23 @@ __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count)
 __device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 __device__ __forceinline__ void mbar_arrive_tx(unsigned long long* b, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+/// Brings a kernel parameter's tensor map into the descriptor cache.
+__device__ __forceinline__ void prefetch_tensormap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+/// Tensor copy global -> shared of the box at (c0, c1, c2) of `map` (a __grid_constant__ parameter),
+/// completing on `bar`.
+__device__ __forceinline__ void tensor_load_3d(void* dst, const void* map, int c0, int c1, int c2,
+                                               unsigned long long* bar, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, "
+      "%4}], [%5], %6;" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "l"(policy)
+      : "memory");
 }
 __device__ __forceinline__ bool mbar_try_wait(unsigned long long* b, unsigned parity) {
   unsigned ok;
@@ -267,17 +284,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
           smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
       : "memory");
-}
-/// 16-byte asynchronous copy global -> shared (cp.async, L2 only), in this thread's current group.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-/// Closes this thread's current group of cp.async copies.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-/// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 /// Orders this thread's generic-proxy shared-memory writes before later bulk copies into the same bytes.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }

@@ -15,8 +15,13 @@
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
+#include <cudaTypedefs.h>
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 
 namespace qwen {
 namespace {
@@ -354,12 +359,15 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 // Within a 32-wide step a lane's 16 bytes of a weight row and of an x row feed two mma, so the k
 // order inside the step is permuted the same way for both operands (the dot product does not see
 // it). Weights stream through a block-wide ring of kMmaStages slots of 8 weight rows x `piece`
-// weights, filled by every thread's 16-byte cp.async (one commit group per slot), the first
-// kMmaStages - 1 before the wait.
+// weights: thread 0 fills a slot with one tensor copy (cp.async.bulk.tensor through the matrix's
+// tensor map, make_weight_maps) per matrix half, completing on the slot's `full` mbarrier; every
+// warp arrives on the slot's `empty` mbarrier once it has read it, and thread 0 waits for that
+// before refilling it. All slots are filled before the wait; no block barrier per slot.
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kMmaPad = 32;     // elements of padding per staged row (x and ring slots)
-constexpr int kMmaStages = 4;   // ring slots per block: kMmaStages - 1 items in flight
+constexpr int kMmaPad = 32;     // elements of padding per staged x row
+constexpr int kMmaStages = 4;   // ring slots per block
+constexpr int kMmaPieces[3] = {1024, 512, 256};  // weights per row per slot, widest first (at most K)
 constexpr std::size_t kMmaSmemMax = 226 * 1024;  // dynamic shared memory per block (sm_90: 227 KiB with the static)
 constexpr std::size_t kSmemPerSm = 228 * 1024;   // shared memory per SM (sm_90), 1 KiB of it reserved per block
 
@@ -410,42 +418,40 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
 }
 
 template <int B, gemv_out MODE, bool NORM>
-__global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
-                                                                float* y_f32, bf16* y_bf16, int ldy,
+__global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_constant__ CUtensorMap wmap, int N, int K,
+                                                                GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
                                                                 unsigned long long* keys, int piece) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
   constexpr int MT = (B + 15) / 16;                               // 16-row batch tiles
   constexpr int kOut = MT * 128;                                  // outputs of a tile (with padded batch rows)
   constexpr int kPer = (kOut + kGemvThreads - 1) / kGemvThreads;  // outputs per thread in the epilogue
   extern __shared__ uint4 smem_u4[];
-  const int sx = K + kMmaPad, sw = piece + kMmaPad;              // padded row lengths: x, a slot's weight rows
+  const int sx = K + kMmaPad;                                     // padded x row
   bf16* xs = reinterpret_cast<bf16*>(smem_u4);                    // [B][sx]
   float* red = reinterpret_cast<float*>(xs + std::size_t(B) * sx);  // [warp][MT][R][lane][4]
-  bf16* ring = reinterpret_cast<bf16*>(red + kGemvWarps * MT * R * 128);  // [kMmaStages][R][8][sw]
+  // The ring, 1024-byte aligned: slot s is [R][piece / 64][8 rows][64 weights], one 128-byte line per
+  // (chunk, row), its 16-byte units swizzled by the tensor copy (unit u of row g's line at u ^ g).
+  char* red_end = reinterpret_cast<char*>(red + kGemvWarps * MT * R * 128);
+  bf16* ring = reinterpret_cast<bf16*>(red_end + ((1024u - (smem_addr(red_end) & 1023u)) & 1023u));
   __shared__ float rs[B];
   __shared__ unsigned long long skeys[B];
+  __shared__ unsigned long long full[kMmaStages], empty[kMmaStages];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   const int ntiles = (N + 7) / 8, P = (K + piece - 1) / piece;
   const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const int T = my_tiles * P;  // items: (tile, piece) in order
+  const std::size_t slot_elems = std::size_t(R) * 8 * piece;
 
-  // Every thread: its 16-byte pieces of item t (8 weight rows, gate and up rows for silu_mul, k from
-  // k0 for up to `piece`) into slot s's padded rows, kTpr threads per row; one commit group per item
-  // (empty past the last, so that the group count stays uniform). Rows past N are not copied (their
-  // outputs are never stored), nor k past K (those k steps are skipped).
-  constexpr int kTpr = kGemvThreads / (8 * R);
-  const int crow = tid / kTpr, cr = crow >> 3, cc = tid % kTpr;
+  // Thread 0: item t into slot s, one tensor copy per matrix half (R); rows past the matrix and k past
+  // K arrive as zeros, so a copy always brings the whole box.
   auto issue = [&](int t, int s) {
-    if (t < T) {
-      const int n = (blockIdx.x + (t / P) * gridDim.x) * 8 + (crow & 7), k0 = (t % P) * piece;
-      const int cpr = min(piece, K - k0) / 8;  // 16-byte pieces per row
-      if (n < N) {
-        bf16* dst = ring + (std::size_t(s) * R * 8 + crow) * sw;
-        const bf16* src = W + (std::size_t(cr) * N + n) * K + k0;
-        for (int c = cc; c < cpr; c += kTpr) cp_async16(dst + c * 8, src + c * 8);
-      }
-    }
-    cp_async_commit();
+    if (t >= T) return;
+    const int row0 = (blockIdx.x + (t / P) * gridDim.x) * 8, chunk0 = (t % P) * (piece / 64);
+    mbar_arrive_tx(full + s, static_cast<unsigned>(slot_elems * sizeof(bf16)));
+    const unsigned long long pol = evict_first_policy();
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      tensor_load_3d(ring + s * slot_elems + std::size_t(r) * 8 * piece, &wmap, 0, r * N + row0, chunk0, full + s, pol);
   };
 
   float acc[MT][R][4];
@@ -460,6 +466,10 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
 #pragma unroll
   for (int j = 0; j < kPer; ++j) best_v[j] = -INFINITY, best_i[j] = kNoRow;
 
+  // Lane g multiplies weight row wrow = pi(g) = (g & 1) << 2 | g >> 1 of a slot: the two rows of a
+  // quarter warp then sit in different halves of their swizzled lines (no bank conflict). So output
+  // column c of an mma tile is weight row pi(c).
+  const int wrow = ((g & 1) << 2) | (g >> 1);
   // A tile is complete: the warps' partial tiles summed in warp order, then the epilogue. Output e of
   // a tile is element e % 4 of lane (e / 4) % 32's fragment of batch tile e / 128.
   auto finish = [&](int n0) {
@@ -477,8 +487,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
     for (int j = 0; j < kPer; ++j) {
       const int e = tid + j * kGemvThreads;
       if (kOut % kGemvThreads == 0 || e < kOut) {
-        const int m = e / 128, ln = (e / 4) % 32, i = e % 4;
-        const int b = m * 16 + (ln >> 2) + (i >= 2 ? 8 : 0), n = n0 + (ln & 3) * 2 + (i & 1);
+        const int m = e / 128, ln = (e / 4) % 32, i = e % 4, c = (ln & 3) * 2 + (i & 1);
+        const int b = m * 16 + (ln >> 2) + (i >= 2 ? 8 : 0), n = n0 + (((c & 1) << 2) | (c >> 1));
         float a[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -497,23 +507,33 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
   };
 
   replay::pdl::launch_dependents();
-  for (int t = 0; t < kMmaStages - 1; ++t) issue(t, t);  // weights do not depend on earlier kernels
+  if (tid == 0) {  // weights do not depend on earlier kernels: fill every slot before the wait
+    prefetch_tensormap(&wmap);
+    for (int s = 0; s < kMmaStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kGemvWarps);
+    mbar_fence_init();
+    for (int t = 0; t < kMmaStages; ++t) issue(t, t);
+  }
   replay::pdl::wait();
   stage_x_rows<B, NORM>(in, K, xs, sx, rs);
+  __syncthreads();  // x is staged and the mbarriers initialised
 
   for (int t = 0; t < T; ++t) {
-    const int p = t % P, k0 = p * piece, kw = min(piece, K - k0);
-    cp_async_wait<kMmaStages - 2>();  // this thread's pieces of item t have landed
-    __syncthreads();                  // everyone's have (and x is staged, and slot t - 1 is free)
-    issue(t + kMmaStages - 1, (t + kMmaStages - 1) % kMmaStages);
-    const bf16* slot = ring + std::size_t(t % kMmaStages) * R * 8 * sw;
+    const int s = t % kMmaStages, k0 = (t % P) * piece, kw = min(piece, K - k0);
+    const int refill = t - 1 + kMmaStages;  // into the slot of item t - 1, once every warp has read it
+    if (tid == 0 && t >= 1 && refill < T) {
+      mbar_wait(empty + refill % kMmaStages, (refill / kMmaStages - 1) & 1);
+      issue(refill, refill % kMmaStages);
+    }
+    mbar_wait(full + s, (t / kMmaStages) & 1);
+    const bf16* slot = ring + s * slot_elems;
     // Warp w takes the 32-wide k steps w, w + 8, ... of the piece: per step and batch tile, a lane's
-    // 16 bytes of x (rows g and g + 8) and of weight row g feed two mma.
+    // 16 bytes of x (rows g and g + 8) and of weight row wrow feed two mma.
     for (int ks = warp * 32; ks < kw; ks += kGemvWarps * 32) {
       const int k = ks + t4 * 8;
+      const int wo = (k >> 6) * 512 + wrow * 64 + ((((k >> 3) & 7) ^ wrow) << 3);  // swizzled offset in a half
       uint4 w[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) w[r] = *reinterpret_cast<const uint4*>(slot + std::size_t(r * 8 + g) * sw + k);
+      for (int r = 0; r < R; ++r) w[r] = *reinterpret_cast<const uint4*>(slot + std::size_t(r) * 8 * piece + wo);
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
@@ -526,9 +546,10 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
         }
       }
     }
-    if (p == P - 1) finish((blockIdx.x + (t / P) * gridDim.x) * 8);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + s);  // this warp is done with the slot
+    if (t % P == P - 1) finish((blockIdx.x + (t / P) * gridDim.x) * 8);
   }
-  cp_async_wait<0>();
   if constexpr (MODE == gemv_out::argmax) {
     if (tid < B) skeys[tid] = 0;
     __syncthreads();
@@ -544,11 +565,11 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const bf16* __re
 }
 
 /// The tensor-core GEMV's shared memory: padded x rows, the warps' partial tiles and `slots` ring
-/// slots of 8 (R = 2: 16) `piece`-wide weight rows.
+/// slots of 8 (R = 2: 16) `piece`-wide weight rows, with 1 KiB for the ring's alignment.
 std::size_t mma_shared_bytes(int rows, int K, int R, int piece, int slots) {
   const int MT = (rows + 15) / 16;
   return std::size_t(rows) * (K + kMmaPad) * sizeof(bf16) + std::size_t(kGemvWarps) * MT * R * 128 * sizeof(float) +
-         std::size_t(slots) * R * 8 * (piece + kMmaPad) * sizeof(bf16);
+         1024 + std::size_t(slots) * R * 8 * piece * sizeof(bf16);
 }
 
 constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x of the batch-1 GEMVs in shared memory: K bf16 at most
@@ -616,9 +637,9 @@ struct MmaLayout {
 /// wider pieces stream faster) whose kMmaStages slots fit beside x within kMmaSmemMax. nullopt
 /// where none does.
 std::optional<MmaLayout> mma_layout(const Linear& op, int rows) {
-  if (op.K % 32 != 0) return std::nullopt;
+  if (op.K % 64 != 0) return std::nullopt;
   const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
-  for (int piece : {1024, 512, 256}) {
+  for (int piece : kMmaPieces) {
     const int pc = piece < op.K ? piece : op.K;
     const std::size_t bytes = mma_shared_bytes(rows, op.K, R, pc, kMmaStages);
     if (bytes <= kMmaSmemMax) return MmaLayout{pc, bytes};
@@ -641,9 +662,9 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
   if (rows > kGemvMaxRows) {
     const auto l = mma_layout(op, rows);
     if (!l) throw replay::usage_error("qwen::gemv: rows * K too large for the tensor-core GEMV");
-    // Two blocks per SM where they fit, else one (at most one per 8-row tile). A block's warps move
-    // through the ring in lockstep (a barrier per slot), so a second block on the SM keeps its loads
-    // going meanwhile.
+    // Two blocks per SM where they fit, else one (at most one per 8-row tile): a block's warps sum
+    // their partial tiles at the end of each tile (a barrier), and a second block on the SM keeps
+    // its loads going meanwhile.
     p.kind = GemvPlan::kernel::mma;
     p.shared_bytes = l->bytes;
     p.piece = l->piece;
@@ -707,9 +728,37 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
     case GemvPlan::kernel::pipelined_deep: by_mode<PipelinedDeep>(op.mode, pipelined); break;
     case GemvPlan::kernel::mma:
       with_mma(rows, op.mode, [&](auto k) {
-        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
+        int m = 0;  // the tensor map whose box is the plan's piece
+        while (m < 2 && std::min(kMmaPieces[m], op.K) != plan.piece) ++m;
+        replay::launch(k, c, op.wmap[m], op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
       });
       break;
+  }
+}
+
+void make_weight_maps(Linear& op) {
+  // The driver's encoder, through the runtime (no link against the driver library).
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    REPLAY_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || fn == nullptr)
+      throw std::runtime_error("qwen: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (op.W == nullptr || op.K % 64 != 0) return;  // not served by the tensor-core GEMV (mma_layout)
+  const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
+  // The row-major [R N][K] weights viewed in 3-D as (64 weights, row, 64-weight chunk): a box of
+  // (64, 8 rows, piece / 64 chunks) lands as [chunk][row][64], one 128-byte line per (chunk, row).
+  const cuuint64_t dims[3] = {64, cuuint64_t(R) * op.N, cuuint64_t(op.K / 64)};
+  const cuuint64_t strides[2] = {cuuint64_t(op.K) * sizeof(bf16), 64 * sizeof(bf16)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  for (int i = 0; i < 3; ++i) {
+    const cuuint32_t box[3] = {64, 8, cuuint32_t(std::min(kMmaPieces[i], op.K) / 64)};
+    const CUresult r = encode(&op.wmap[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(op.W), dims, strides,
+                              box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) throw std::runtime_error(fmt::format("qwen: cuTensorMapEncodeTiled failed (CUresult {})", int(r)));
   }
 }
 

@@ -11,6 +11,7 @@
 #include <replay/device_loop.hpp>
 #include <replay/stream.hpp>
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -79,6 +80,9 @@ struct Linear {
   bf16* y_bf16 = nullptr;              ///< silu_mul
   int ldy = 0;                         ///< elements between batch rows of y
   unsigned long long* keys = nullptr;  ///< argmax: one packed key per batch row
+  /// W's tensor maps for the tensor-core GEMV (make_weight_maps): boxes of 8 rows by 1024, 512 and
+  /// 256 weights (at most K). Host copies of 128-byte descriptors, passed to the kernel by value.
+  CUtensorMap wmap[3] = {};
 };
 
 /// How the fused GEMV runs one (Linear, rows): chosen once per shape when the engine is built.
@@ -91,7 +95,7 @@ struct GemvPlan {
 };
 
 /// Whether the fused GEMV serves `op` at `rows` rows: rows a power of two up to kMmaMaxRows and x
-/// ([rows][K] bf16) within its shared-memory stage (from 2 rows: K a multiple of 32 and x leaving
+/// ([rows][K] bf16) within its shared-memory stage (from 2 rows: K a multiple of 64 and x leaving
 /// room for the tensor-core GEMV's ring).
 bool gemv_fits(const Linear& op, int rows);
 /// Picks the kernel and grid for `op` at `rows` batch rows on a GPU of `num_sms` SMs (queries the
@@ -99,6 +103,9 @@ bool gemv_fits(const Linear& op, int rows);
 GemvPlan plan_gemv(const Linear& op, int rows, int num_sms);
 /// y = W·x for `rows` (a power of two up to kMmaMaxRows) batch rows with the epilogue of op.mode.
 void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::stream_ref s);
+/// Encodes op.wmap from op.W, op.N, op.K and op.mode (host, once W is final; none where K is not a
+/// multiple of 64, which the tensor-core GEMV does not serve).
+void make_weight_maps(Linear& op);
 /// Sets the GEMV kernels' shared-memory attributes (once per process, before the first launch).
 void init_gemv_attributes();
 

@@ -140,6 +140,9 @@ struct Engine::Impl {
     init_attention_attributes();
     stream = replay::stream();
     alloc_weights(st);
+    for (auto& l : layers)
+      for (Linear* op : {&l.qkv, &l.o, &l.gate_up, &l.down}) make_weight_maps(*op);
+    make_weight_maps(head);
     alloc_kv(static_cast<int>(nb));
     alloc_buffers();
     build_layers();
