@@ -741,7 +741,11 @@ void make_weight_maps(Linear& op) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
     REPLAY_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+#else
+    REPLAY_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &q));
+#endif
     if (q != cudaDriverEntryPointSuccess || fn == nullptr)
       throw std::runtime_error("qwen: the driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
