@@ -1,4 +1,4 @@
-// examples/qwen/device_helpers.cuh: device helpers shared by the decode kernels (kernels.cu) and the
+// research/qwen/device_helpers.cuh: device helpers shared by the decode kernels (kernels.cu) and the
 // streaming decode kernel (stream.cu): bf16 packing, warp reductions, streaming loads, the argmax key,
 // programmatic dependent launch, per-head RMSNorm + RoPE. Internal to the example (namespace
 // qwen::dev, every function inline).

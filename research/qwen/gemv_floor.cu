@@ -1,4 +1,4 @@
-// examples/qwen/gemv_floor.cu: what each decode GEMV costs in a graph, against the kernel-per-matrix
+// research/qwen/gemv_floor.cu: what each decode GEMV costs in a graph, against the kernel-per-matrix
 // floor (a streaming read of the same bytes, launch_read_link).
 //
 // For each matrix of a preset's decode step (QKV with the fused RMSNorm, O with the residual add,

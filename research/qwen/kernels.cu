@@ -1,4 +1,4 @@
-// examples/qwen/kernels.cu: kernels of the Qwen3 decoder, then their launchers.
+// research/qwen/kernels.cu: kernels of the Qwen3 decoder, then their launchers.
 //
 // Precision: bf16 weights and KV cache, fp32 accumulation everywhere, fp32 residual stream; the
 // inputs of the projections are rounded to bf16 (as in a bf16 Hugging Face model).

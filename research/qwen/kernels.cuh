@@ -1,4 +1,4 @@
-// examples/qwen/kernels.cuh: the decode/prefill kernels' launchers.
+// research/qwen/kernels.cuh: the decode/prefill kernels' launchers.
 //
 // Every per-step value (token ids, positions, block-table slot of each row) is read by the kernels
 // through the fixed device pointers in RowMeta, never passed by value, so a captured graph replays

@@ -1,4 +1,4 @@
-// examples/qwen/main.cu: the `qwen` CLI: generate with a Qwen3-shaped decoder, eagerly and from CUDA
+// research/qwen/main.cu: the `qwen` CLI: generate with a Qwen3-shaped decoder, eagerly and from CUDA
 // graphs, benchmark batch-1 TPOT and batched throughput, and dump teacher-forced logits for parity.
 //
 //   qwen --preset qwen3-0.6b --random-prompt 16 --gen 64 --mode both

@@ -1,4 +1,4 @@
-// examples/qwen/mega.cu: the persistent decode kernel (see mega.cuh), then its launcher.
+// research/qwen/mega.cu: the persistent decode kernel (see mega.cuh), then its launcher.
 //
 // Block = 8 consumer warps + 1 producer warp, one block per SM. Shared memory: per consumer warp a
 // ring of `slots` slots (MegaParams::piece weights each, 4-6 KiB), then a work area used either by a

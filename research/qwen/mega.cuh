@@ -1,4 +1,4 @@
-// examples/qwen/mega.cuh: the persistent decode kernel (`--kernels mega`, bucket 1).
+// research/qwen/mega.cuh: the persistent decode kernel (`--kernels mega`, bucket 1).
 //
 // The whole decode step of one row is one launch: one block per SM, all blocks resident (a
 // cooperative launch), walking the step's phases in order (embed; per layer QKV, attention, O +

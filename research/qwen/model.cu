@@ -1,4 +1,4 @@
-// examples/qwen/model.cu: the Engine (weights, buffers, paged KV, prefill, eager and graph decode).
+// research/qwen/model.cu: the Engine (weights, buffers, paged KV, prefill, eager and graph decode).
 #include "model.hpp"
 
 #include "mega.cuh"

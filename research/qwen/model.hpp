@@ -1,4 +1,4 @@
-// examples/qwen/model.hpp: a Qwen3 decoder (Hugging Face Qwen3ForCausalLM) with a paged KV cache,
+// research/qwen/model.hpp: a Qwen3 decoder (Hugging Face Qwen3ForCausalLM) with a paged KV cache,
 // eager and CUDA-graph batched decode. The library target `replay_example_qwen`.
 //
 // Pipeline of one decode step (see README.md for each kernel):

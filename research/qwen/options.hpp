@@ -1,4 +1,4 @@
-// examples/qwen/options.hpp: run-time sizes of the engine and the checks of a generation request.
+// research/qwen/options.hpp: run-time sizes of the engine and the checks of a generation request.
 //
 // Host-only (no CUDA): everything a user can get wrong is checked here before any GPU work.
 #pragma once

@@ -1,4 +1,4 @@
-// examples/qwen/stream.cu: the streaming decode kernel (see stream.cuh), then its launcher.
+// research/qwen/stream.cu: the streaming decode kernel (see stream.cuh), then its launcher.
 //
 // Block = 8 compute warps + 1 control warp. Shared memory: a ring of `slots` slots (one work item's
 // weight rows each, filled by bulk copies) and the staged input x of the current phase (bf16, rows x K).

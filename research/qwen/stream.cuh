@@ -1,4 +1,4 @@
-// examples/qwen/stream.cuh: the streaming decode kernel (buckets of 1, 2 and 4 rows).
+// research/qwen/stream.cuh: the streaming decode kernel (buckets of 1, 2 and 4 rows).
 //
 // A decode step is a *program*: a sequence of phases (embed; per layer norm+QKV, attention, O + residual,
 // norm+gate/up+SiLU, down + residual; norm+lm_head+argmax), each a set of independent work items

@@ -1,4 +1,4 @@
-// examples/qwen/probes/bytesprobe.cu: does a grid-wide exchange of tagged words get cheaper when it
+// research/qwen/probes/bytesprobe.cu: does a grid-wide exchange of tagged words get cheaper when it
 // moves fewer bytes? Twenty-third round (docs/perf-notes.md). The persistent kernel's five exchanges
 // per layer (mega.cu) cost about 1.44 us each in reduceprobe.cu's chain; this probe varies the
 // number of elements and the word format of that same chain, to see whether the exchange's time

@@ -1,4 +1,4 @@
-// examples/qwen/probes/clusterprobe.cu: what an exchange costs inside a thread-block cluster
+// research/qwen/probes/clusterprobe.cu: what an exchange costs inside a thread-block cluster
 // (distributed shared memory and the cluster barrier), against the grid-wide exchanges of the
 // persistent kernel (mega.cu) and of the nineteenth round's counted sums (reduceprobe.cu).
 // Twenty-first round (docs/perf-notes.md): the 0.6B layer has five grid-wide exchanges; a design

@@ -1,4 +1,4 @@
-// examples/qwen/probes/exchange_words.cuh: the 64-bit exchange words of the exchange probes
+// research/qwen/probes/exchange_words.cuh: the 64-bit exchange words of the exchange probes
 // (reduceprobe.cu, clusterprobe.cu, bytesprobe.cu): relaxed GPU-scope loads, stores and atomic adds, the
 // counted word's addend, the loader warp and the chains' host side. Not part of the example's kernels.
 #pragma once

@@ -1,4 +1,4 @@
-// examples/qwen/probes/fenceprobe.cu: what a gpu-scope fence (and so every release) costs while the
+// research/qwen/probes/fenceprobe.cu: what a gpu-scope fence (and so every release) costs while the
 // block has bulk copies (cp.async.bulk) in flight, and a grid-wide counter barrier with and without.
 // Each block issues S KiB of bulk copies into shared memory, then thread 0 times a fence.acq_rel.gpu
 // or one grid barrier (red.release + ld.acquire spin, or fence + relaxed + fence), and when the

@@ -1,4 +1,4 @@
-// examples/qwen/probes/raceprobe.cu: what compute-sanitizer racecheck makes of the handoffs the
+// research/qwen/probes/raceprobe.cu: what compute-sanitizer racecheck makes of the handoffs the
 // persistent kernel uses. Each case is one small kernel (one block: a producer warp and a consumer
 // warp sharing a buffer in shared memory) and checks its own result; run each case in its own
 // process under racecheck and compare the hazard counts:

@@ -1,4 +1,4 @@
-// examples/qwen/probes/reduceprobe.cu: what a grid-wide exchange of a 1024-element vector costs when
+// research/qwen/probes/reduceprobe.cu: what a grid-wide exchange of a 1024-element vector costs when
 // the vector is a sum of partial vectors added with atomics, against the persistent kernel's exchange
 // of tagged words (mega.cu). Nineteenth round (docs/perf-notes.md): could a layer's down projection be
 // split by its input (each block adds its own partial of every output) so that gate/up -> down needs

@@ -1,4 +1,4 @@
-// examples/qwen/probes/ringprobe.cu: the read bandwidth of per-warp bulk-copy rings (the persistent
+// research/qwen/probes/ringprobe.cu: the read bandwidth of per-warp bulk-copy rings (the persistent
 // kernel's weight streams) against slot size, slots and warps per SM, with a consumer that only
 // touches each slot (mode 0) or runs the GEMV's arithmetic on it (mode 1: bf16 x, mode 2: fp32 x),
 // and with or without an L2 evict-first hint. One block per SM streams 1 GiB. H200 (docs/perf-notes.md,

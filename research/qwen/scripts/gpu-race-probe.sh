@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What compute-sanitizer racecheck reports for each handoff of examples/qwen/probes/raceprobe.cu
+# What compute-sanitizer racecheck reports for each handoff of research/qwen/probes/raceprobe.cu
 # (plain run first: every case must print "ok"). From the repo root on the GPU machine:
 #   source .deps/tools/env.sh && PROBE=build/examples/qwen/qwen_race_probe bash scripts/gpu-race-probe.sh
 set -uo pipefail
