@@ -222,8 +222,7 @@ static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want
     else
       for (float v : replay_test::to_host(dyf.data(), N, s)) out.push_back(v);
     if (mode == gemv_out::argmax) {
-      const auto key = replay_test::to_host(keys.data(), 1, s)[0];
-      const int idx = static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu));
+      const int idx = key_to_token(replay_test::to_host(keys.data(), 1, s)[0]);
       REQUIRE(idx >= 0);
       REQUIRE(idx < N);
       CHECK(out[idx] == *std::max_element(out.begin(), out.end()));
