@@ -85,13 +85,16 @@ def mark(r, key, digits=2, scale=1.0):
 
 
 def load(paths):
-    """Returns (context of the first file, {program: {run_name: Result}}, errors)."""
-    context, programs, errors = None, {}, []
+    """Returns (context of the first file, with "dates": every file's date, {program: {run_name:
+    Result}}, errors)."""
+    context, programs, errors, dates = None, {}, [], set()
     for p in paths:
         with open(p) as f:
             data = json.load(f)
         if context is None:
             context = data.get("context", {})
+        if data.get("context", {}).get("date"):
+            dates.add(data["context"]["date"][:10])
         prog = os.path.splitext(os.path.basename(p))[0]
         groups = defaultdict(list)
         for b in data.get("benchmarks", []):
@@ -119,7 +122,9 @@ def load(paths):
                     merged[k] = sum(e.get(k, 0) for e in its) / len(its)
             results[run_name] = Result(run_name, merged, len(its), "mean" if len(its) > 1 else "single run")
         programs[prog] = results
-    return context or {}, programs, errors
+    context = context or {}
+    context["dates"] = sorted(dates)
+    return context, programs, errors
 
 
 def find(results, *path, **args):
@@ -533,8 +538,10 @@ def main(argv=None):
     if extra:
         md.append(f" ({', '.join(extra)})")
     drv = ctx.get("driver")
+    dates = ctx.get("dates") or [ctx.get("date", "")[:10]]
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]} (programs run separately)"
     md.append(f", driver {drv + ' / ' if drv else ''}CUDA {ctx.get('driver_cuda', '?')}, CUDA runtime "
-              f"{ctx.get('cuda_runtime', '?')}, on {ctx.get('date', '')[:10]} ({ctx.get('num_cpus', '?')} host CPUs). Figures are {', '.join(stats) or '?'}s of "
+              f"{ctx.get('cuda_runtime', '?')}, on {when} ({ctx.get('num_cpus', '?')} host CPUs). Figures are {', '.join(stats) or '?'}s of "
               f"{'/'.join(str(r) for r in reps) or '?'} repetitions. Reproduce with `{a.command}`; this page "
               f"was generated from {', '.join('`' + os.path.relpath(p) + '`' for p in a.json)}.\n\n")
     if any(r.noisy(k) for res in programs.values() for r in res.values() for k in r.cv_entry):
