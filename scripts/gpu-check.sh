@@ -103,6 +103,12 @@ if has qwen; then
   echo "racecheck qwen 4-warp attention: hazards in the example's kernels: $(grep -E '^=+ +(Read|Write) Thread' \
     "$out/racecheck-qwen-4warp.log" | grep -cv nvjet), in cuBLAS (nvjet) kernels: $(grep -E '^=+ +(Read|Write) Thread' \
     "$out/racecheck-qwen-4warp.log" | grep -c nvjet) (accesses)" | tee -a "$sum"
+  # The tensor-core GEMV refilling its ring slots (more items per block than slots).
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
+    "$build/examples/qwen/qwen_gpu" -tc='*ring wraps*' >"$out/racecheck-qwen-ring.log" 2>&1
+  echo "racecheck qwen ring refills: $(grep -E 'RACECHECK SUMMARY' "$out/racecheck-qwen-ring.log"); hazards in the \
+example's kernels: $(grep -E '^=+ +(Read|Write) Thread' "$out/racecheck-qwen-ring.log" | grep -cv nvjet), in cuBLAS \
+(nvjet) kernels: $(grep -E '^=+ +(Read|Write) Thread' "$out/racecheck-qwen-ring.log" | grep -c nvjet) (accesses)" | tee -a "$sum"
   if python3 -c 'import transformers' 2>/dev/null; then
     python3 examples/qwen/parity.py --bin "$qw" --out "$out/qwen-parity.json" >"$out/qwen-parity.log" 2>&1
     tail -6 "$out/qwen-parity.log" | tee -a "$sum"

@@ -1,10 +1,10 @@
 // GPU tests of the Qwen example: eager and graph decode give identical tokens and logits; the batch-1
-// GEMV agrees with a host reference; the fused GEMV (CUDA-core and tensor-core) agrees with cuBLAS;
-// paged KV keeps sequences apart across buckets; decode agrees with prefill, also with split-KV at
-// long context; every supported head shape (head_dim 64 and 128, 1..8 query heads per kv head) runs;
-// the device loop (decode_loop) gives the per-step graph path's tokens for any tokens per launch,
-// stops on a stop token inside a launch and at the end of the context; bad input is rejected before
-// any launch.
+// GEMV agrees with a host reference; the fused GEMV (CUDA-core and tensor-core, its ring refilled)
+// agrees with cuBLAS; paged KV keeps sequences apart across buckets; decode agrees with prefill, also
+// with split-KV at long context; every supported head shape (head_dim 64 and 128, 1..8 query heads
+// per kv head) runs; the device loop (decode_loop) gives the per-step graph path's tokens for any
+// tokens per launch, stops on a stop token inside a launch and at the end of the context; bad input
+// is rejected before any launch.
 #include <doctest/doctest.h>
 
 #include "gpu_test.hpp"
@@ -266,6 +266,27 @@ TEST_CASE("the fused GEMV buckets compute what the cuBLAS path computes") {
       MESSAGE(cfg.name << " batch " << batch << ": fused GEMV vs cuBLAS relative L2 " << r);
       CHECK(r < 1e-2);
     }
+  }
+}
+
+TEST_CASE("the tensor-core GEMV's ring wraps: many tiles per block, several pieces per tile") {
+  // lm_head of 32768 rows over K = 1280 (pieces of 1024 and 256): 4096 tiles of 8 rows, more items per
+  // block than ring slots, so every slot is refilled (the other shapes fit their rings at once).
+  const Config cfg = tiny_shape("tiny_vocab32k", 32768, 1280, 1536, 1, 10, 2, 128);
+  Engine fused(cfg, small_opts(16), nullptr);
+  Engine gemm(cfg, small_opts(0), nullptr);
+  for (int batch : {2, 8, 16}) {
+    CAPTURE(batch);
+    const auto prompts = prompts_of(batch, 4, 1, 5, cfg.vocab_size);
+    std::vector<float> lf, lc;
+    const auto tf = generate(fused, prompts, 2, true, &lf);
+    (void)generate(gemm, prompts, 2, true, &lc);
+    const double r = rel_l2(lf.data(), lc.data(), lf.size());
+    MESSAGE("batch " << batch << ": fused GEMV vs cuBLAS relative L2 " << r);
+    CHECK(r < 1e-2);
+    std::vector<float> le;
+    CHECK(generate(fused, prompts, 2, false, &le) == tf);
+    CHECK(differing(le, lf) == 0);
   }
 }
 
