@@ -353,9 +353,11 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 // fragments) and eight weight rows the N side (eight gate and eight up rows for silu_mul), so the
 // arithmetic per weight is a fraction of an instruction and every weight is read once per step at
 // any bucket. x is staged once per block in shared memory, each row padded by kMmaPad elements so
-// that the fragment loads are free of bank conflicts. The 8 warps of a block split a tile's K in
-// interleaved 32-wide steps and sum their partial tiles in shared memory in a fixed order before the
-// GEMV's epilogue: results do not depend on the grid, and eager and graph runs agree bit for bit.
+// that the fragment loads are free of bank conflicts; with the RMSNorm folded in, as x∘norm_w in one
+// pass over the residual, the RMS scale applied to the finished sums. The 8 warps of a block split a
+// tile's K in interleaved 32-wide steps and sum their partial tiles in shared memory in a fixed order
+// before the GEMV's epilogue: results do not depend on the grid, and eager and graph runs agree bit
+// for bit.
 // Within a 32-wide step a lane's 16 bytes of a weight row and of an x row feed two mma, so the k
 // order inside the step is permuted the same way for both operands (the dot product does not see
 // it). Weights stream through a block-wide ring of kMmaStages slots of 8 weight rows x `piece`
@@ -379,41 +381,42 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-/// stage_x for the tensor-core GEMV: one warp per row computes the RMS scale (rs), then every thread
-/// writes 8-element pieces of any row (no per-row registers).
+/// stage_x for the tensor-core GEMV, one pass over x: with NORM, warp w stages rows w, w + 8, ... as
+/// x∘norm_w in bf16 and sums their squares into the RMS scale rs[b], which the epilogue applies to
+/// the finished dot products (W·(x∘g)·rs = W·(x∘g·rs)); otherwise every thread copies 8-element
+/// pieces of any row.
 template <int B, bool NORM>
 __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, int sx, float (&rs)[B]) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if constexpr (NORM) {
     for (int b = warp; b < B; b += kGemvWarps) {
+      const float* xr = in.x_f32 + std::size_t(b) * K;
       float ss = 0.f;
-      for (int k = lane * 4; k < K; k += 128) {
-        const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll 4
+      for (int k = lane * 8; k < K; k += 256) {
+        float g[8];
+        unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
+        const float4 a = *reinterpret_cast<const float4*>(xr + k);
+        const float4 c = *reinterpret_cast<const float4*>(xr + k + 4);
+        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+        uint4 o;
+        o.x = pack2(a.x * g[0], a.y * g[1]);
+        o.y = pack2(a.z * g[2], a.w * g[3]);
+        o.z = pack2(c.x * g[4], c.y * g[5]);
+        o.w = pack2(c.z * g[6], c.w * g[7]);
+        *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) = o;
       }
       ss = warp_sum(ss);
       if (lane == 0) rs[b] = rsqrtf(ss / K + in.eps);
     }
-    __syncthreads();
-  }
-  const int per_row = K / 8;
-  for (int i = tid; i < B * per_row; i += kGemvThreads) {
-    const int b = i / per_row, k = (i - b * per_row) * 8;
-    uint4 o;
-    if constexpr (NORM) {
-      float g[8];
-      unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
-      const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k);
-      const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + std::size_t(b) * K + k + 4);
-      const float r = rs[b];
-      o.x = pack2(a.x * r * g[0], a.y * r * g[1]);
-      o.y = pack2(a.z * r * g[2], a.w * r * g[3]);
-      o.z = pack2(c.x * r * g[4], c.y * r * g[5]);
-      o.w = pack2(c.z * r * g[6], c.w * r * g[7]);
-    } else {
-      o = *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
+  } else {
+    const int per_row = K / 8;
+#pragma unroll 4
+    for (int i = tid; i < B * per_row; i += kGemvThreads) {
+      const int b = i / per_row, k = (i - b * per_row) * 8;
+      *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) =
+          *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
     }
-    *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) = o;
   }
 }
 
@@ -497,6 +500,10 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_con
           for (int w = 0; w < kGemvWarps; ++w) a[r] += red[(((w * MT + m) * R + r) * 32 + ln) * 4 + i];
         }
         if (b < B && n < N) {
+          if constexpr (NORM) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) a[r] *= rs[b];
+          }
           gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, a[0], a[R - 1]);
           if constexpr (MODE == gemv_out::argmax)
             if (a[0] > best_v[j]) best_v[j] = a[0], best_i[j] = n;
