@@ -94,21 +94,22 @@ if has qwen; then
   timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny-hd128 --batch 8 \
     --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
   grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-hd128.log" | sed "s/^/racecheck qwen tiny-hd128 batch 8: /" | tee -a "$sum"
+  # racecheck of the qwen_gpu cases matching $2 (log racecheck-qwen-$1.log), named $3. The prompts'
+  # prefill runs cuBLAS, and racecheck reports hazards inside some cuBLAS kernels, so the hazards are
+  # counted per kernel.
+  race_qwen_gpu() {
+    local log="$out/racecheck-qwen-$1.log" hz='^=+ +(Read|Write) Thread'
+    timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
+      "$build/examples/qwen/qwen_gpu" -tc="$2" >"$log" 2>&1
+    grep -E "RACECHECK SUMMARY|test cases" "$log" | sed "s/^/racecheck qwen $3: /" | tee -a "$sum"
+    echo "racecheck qwen $3: hazards in the example's kernels: $(grep -E "$hz" "$log" | grep -cv nvjet), in cuBLAS" \
+      "(nvjet) kernels: $(grep -E "$hz" "$log" | grep -c nvjet) (accesses)" | tee -a "$sum"
+  }
   # Attention in 4-warp blocks (more blocks than one wave of 8 warps) at bucket 16, whose decode runs
-  # no cuBLAS; the prompts' prefill does, and racecheck reports hazards inside some cuBLAS kernels, so
-  # the hazards are counted per kernel.
-  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
-    "$build/examples/qwen/qwen_gpu" -tc='*bucket 16*' >"$out/racecheck-qwen-4warp.log" 2>&1
-  grep -E "RACECHECK SUMMARY|test cases" "$out/racecheck-qwen-4warp.log" | sed "s/^/racecheck qwen 4-warp attention: /" | tee -a "$sum"
-  echo "racecheck qwen 4-warp attention: hazards in the example's kernels: $(grep -E '^=+ +(Read|Write) Thread' \
-    "$out/racecheck-qwen-4warp.log" | grep -cv nvjet), in cuBLAS (nvjet) kernels: $(grep -E '^=+ +(Read|Write) Thread' \
-    "$out/racecheck-qwen-4warp.log" | grep -c nvjet) (accesses)" | tee -a "$sum"
+  # no cuBLAS.
+  race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
   # The tensor-core GEMV refilling its ring slots (more items per block than slots).
-  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
-    "$build/examples/qwen/qwen_gpu" -tc='*ring wraps*' >"$out/racecheck-qwen-ring.log" 2>&1
-  echo "racecheck qwen ring refills: $(grep -E 'RACECHECK SUMMARY' "$out/racecheck-qwen-ring.log"); hazards in the \
-example's kernels: $(grep -E '^=+ +(Read|Write) Thread' "$out/racecheck-qwen-ring.log" | grep -cv nvjet), in cuBLAS \
-(nvjet) kernels: $(grep -E '^=+ +(Read|Write) Thread' "$out/racecheck-qwen-ring.log" | grep -c nvjet) (accesses)" | tee -a "$sum"
+  race_qwen_gpu ring '*ring wraps*' "ring refills"
   if python3 -c 'import transformers' 2>/dev/null; then
     python3 examples/qwen/parity.py --bin "$qw" --out "$out/qwen-parity.json" >"$out/qwen-parity.log" 2>&1
     tail -6 "$out/qwen-parity.log" | tee -a "$sum"
