@@ -354,10 +354,10 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 // arithmetic per weight is a fraction of an instruction and every weight is read once per step at
 // any bucket. x is staged once per block in shared memory, each row padded by kMmaPad elements so
 // that the fragment loads are free of bank conflicts; with the RMSNorm folded in, as x∘norm_w in one
-// pass over the residual, the RMS scale applied to the finished sums. The 8 warps of a block split a
-// tile's K in interleaved 32-wide steps and sum their partial tiles in shared memory in a fixed order
-// before the GEMV's epilogue: results do not depend on the grid, and eager and graph runs agree bit
-// for bit.
+// pass over the residual (a row split over 8 / B warps below 8 rows), the RMS scale applied to the
+// finished sums. The 8 warps of a block split a tile's K in interleaved 32-wide steps and sum their
+// partial tiles in shared memory in a fixed order before the GEMV's epilogue: results do not depend
+// on the grid, and eager and graph runs agree bit for bit.
 // Within a 32-wide step a lane's 16 bytes of a weight row and of an x row feed two mma, so the k
 // order inside the step is permuted the same way for both operands (the dot product does not see
 // it). Weights stream through a block-wide ring of kMmaStages slots of 8 weight rows x `piece`
@@ -381,24 +381,30 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-/// stage_x for the tensor-core GEMV, one pass over x: with NORM, warp w stages rows w, w + 8, ... as
-/// x∘norm_w in bf16 and sums their squares into the RMS scale rs[b], which the epilogue applies to
-/// the finished dot products (W·(x∘g)·rs = W·(x∘g·rs)); otherwise every thread copies 8-element
-/// pieces of any row.
+/// stage_x for the tensor-core GEMV, one pass over x. With NORM, x∘norm_w in bf16, S =
+/// kStageWarps<B> warps per row (each every S-th 256-wide slice of its k); the RMS scale is applied
+/// to the finished dot products (W·(x∘g)·rs = W·(x∘g·rs), rms_scale). ss holds each row's scale
+/// where one warp stages the row, else each warp's sum of squares at ss[b * S + slice]. Otherwise
+/// every thread copies 8-element pieces of any row.
+template <int B>
+constexpr int kStageWarps = B >= kGemvWarps ? 1 : kGemvWarps / B;
 template <int B, bool NORM>
-__device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, int sx, float (&rs)[B]) {
+__device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, int sx,
+                                             float (&ss)[B * kStageWarps<B>]) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if constexpr (NORM) {
-    for (int b = warp; b < B; b += kGemvWarps) {
+    constexpr int S = kStageWarps<B>;
+    for (int q = warp; q < B * S; q += kGemvWarps) {  // (row, slice) q = b * S + slice
+      const int b = q / S, slice = q % S;
       const float* xr = in.x_f32 + std::size_t(b) * K;
-      float ss = 0.f;
+      float sum = 0.f;
 #pragma unroll 4
-      for (int k = lane * 8; k < K; k += 256) {
+      for (int k = (slice * 32 + lane) * 8; k < K; k += 256 * S) {
         float g[8];
         unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
         const float4 a = *reinterpret_cast<const float4*>(xr + k);
         const float4 c = *reinterpret_cast<const float4*>(xr + k + 4);
-        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+        sum += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
         uint4 o;
         o.x = pack2(a.x * g[0], a.y * g[1]);
         o.y = pack2(a.z * g[2], a.w * g[3]);
@@ -406,8 +412,8 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
         o.w = pack2(c.z * g[6], c.w * g[7]);
         *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) = o;
       }
-      ss = warp_sum(ss);
-      if (lane == 0) rs[b] = rsqrtf(ss / K + in.eps);
+      sum = warp_sum(sum);
+      if (lane == 0) ss[q] = S == 1 ? rsqrtf(sum / K + in.eps) : sum;  // one warp per row: the scale itself
     }
   } else {
     const int per_row = K / 8;
@@ -418,6 +424,16 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
           *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
     }
   }
+}
+/// Row b's RMS scale: ss[b] itself with one staging warp per row, else from the warps' sums of
+/// squares, added in slice order.
+template <int B>
+__device__ __forceinline__ float rms_scale(const float (&ss)[B * kStageWarps<B>], int b, int K, float eps) {
+  if constexpr (kStageWarps<B> == 1) return ss[b];
+  float t = 0.f;
+#pragma unroll
+  for (int j = 0; j < kStageWarps<B>; ++j) t += ss[b * kStageWarps<B> + j];
+  return rsqrtf(t / K + eps);
 }
 
 template <int B, gemv_out MODE, bool NORM>
@@ -436,7 +452,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_con
   // (chunk, row), its 16-byte units swizzled by the tensor copy (unit u of row g's line at u ^ g).
   char* red_end = reinterpret_cast<char*>(red + kGemvWarps * MT * R * 128);
   bf16* ring = reinterpret_cast<bf16*>(red_end + ((1024u - (smem_addr(red_end) & 1023u)) & 1023u));
-  __shared__ float rs[B];
+  __shared__ float ss[B * kStageWarps<B>];
   __shared__ unsigned long long skeys[B];
   __shared__ unsigned long long full[kMmaStages], empty[kMmaStages];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
@@ -501,8 +517,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_con
         }
         if (b < B && n < N) {
           if constexpr (NORM) {
+            const float rs = rms_scale<B>(ss, b, K, in.eps);
 #pragma unroll
-            for (int r = 0; r < R; ++r) a[r] *= rs[b];
+            for (int r = 0; r < R; ++r) a[r] *= rs;
           }
           gemv_store<MODE>(y_f32, y_bf16, std::size_t(b) * ldy + n, a[0], a[R - 1]);
           if constexpr (MODE == gemv_out::argmax)
@@ -521,7 +538,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_con
     for (int t = 0; t < kMmaStages; ++t) issue(t, t);
   }
   replay::pdl::wait();
-  stage_x_rows<B, NORM>(in, K, xs, sx, rs);
+  stage_x_rows<B, NORM>(in, K, xs, sx, ss);
   __syncthreads();  // x is staged and the mbarriers initialised
 
   for (int t = 0; t < T; ++t) {
