@@ -40,42 +40,46 @@ __device__ __forceinline__ void norm_weights_prefetch(const GemvIn& in, int K, u
   }
 }
 
-/// Stages the batch-1 GEMV input in shared memory as bf16: x copied as is, or the fp32 residual
-/// RMS-normalised with in.norm_w (the layer's RMSNorm fused into the projection). Every thread of
-/// the block takes part; the caller synchronises before reading xs.
+/// Stages the batch-1 GEMV input in shared memory as bf16, in one pass: x copied as is, or the fp32
+/// residual times in.norm_w (the layer's RMSNorm fused into the projection), each warp's sum of
+/// squares in red[warp]; the RMS scale (block_rms_scale, once the caller has synchronised) multiplies
+/// the finished dot products: W·(x∘g)·rs = W·(x∘g·rs). Every thread of the block takes part; the
+/// caller synchronises before reading xs or red.
 template <bool NORM, int WARPS, bool PREG = false>
 __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS],
                                         const uint4 (&gpre)[2] = {}) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if constexpr (NORM) {
     float ss = 0.f;
-    for (int k = tid * 4; k < K; k += (WARPS * 32) * 4) {
-      const float4 v = *reinterpret_cast<const float4*>(in.x_f32 + k);
-      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) sum += red[w];
-    const float rs = rsqrtf(sum / K + in.eps);
     for (int k = tid * 8, pass = 0; k < K; k += (WARPS * 32) * 8, ++pass) {
       float g[8];
       unpack8(PREG && pass < 2 ? (pass == 0 ? gpre[0] : gpre[1]) : *reinterpret_cast<const uint4*>(in.norm_w + k), g);
       const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + k);
       const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + k + 4);
+      ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
       uint4 o;
-      o.x = pack2(a.x * rs * g[0], a.y * rs * g[1]);
-      o.y = pack2(a.z * rs * g[2], a.w * rs * g[3]);
-      o.z = pack2(c.x * rs * g[4], c.y * rs * g[5]);
-      o.w = pack2(c.z * rs * g[6], c.w * rs * g[7]);
+      o.x = pack2(a.x * g[0], a.y * g[1]);
+      o.y = pack2(a.z * g[2], a.w * g[3]);
+      o.z = pack2(c.x * g[4], c.y * g[5]);
+      o.w = pack2(c.z * g[6], c.w * g[7]);
       *reinterpret_cast<uint4*>(xs + k) = o;
     }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
   } else {
     for (int k = tid * 8; k < K; k += (WARPS * 32) * 8)
       *reinterpret_cast<uint4*>(xs + k) = *reinterpret_cast<const uint4*>(in.x_bf16 + k);
   }
+}
+
+/// The RMS scale of the staged row from stage_x's per-warp sums (added in warp order); 1 without NORM.
+template <bool NORM, int WARPS>
+__device__ __forceinline__ float block_rms_scale(const float (&red)[WARPS], int K, float eps) {
+  if constexpr (!NORM) return 1.f;
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) sum += red[w];
+  return rsqrtf(sum / K + eps);
 }
 
 /// The GEMV epilogue for one output: `a` = W row · x (for silu_mul the gate row), `up` = the up row.
@@ -119,10 +123,10 @@ __device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf1
 /// A warp's row n is complete: warp sums, lane 0 runs the epilogue of MODE and tracks the argmax,
 /// and acc is cleared for the next row.
 template <int R, gemv_out MODE>
-__device__ __forceinline__ void gemv_finish_row(float (&acc)[R], int n, int lane, float* y_f32, bf16* y_bf16,
-                                                float& best_v, int& best_i) {
+__device__ __forceinline__ void gemv_finish_row(float (&acc)[R], float rs, int n, int lane, float* y_f32,
+                                                bf16* y_bf16, float& best_v, int& best_i) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]) * rs;
   if (lane == 0) {
     gemv_store<MODE>(y_f32, y_bf16, n, acc[0], acc[R - 1]);
     if constexpr (MODE == gemv_out::argmax)
@@ -192,11 +196,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
   float acc[R] = {};
   float best_v = -INFINITY;
   int best_i = kNoRow;
+  float rs = 1.f;  // the RMS scale, once x is staged
 
   auto compute = [&](const Regs& w, int row, int base) {
     gemv_fma_chunk<R, U>(w, xs, K, base + lane * 8, acc);
     if (base + kChunk >= K)  // the row is complete (warp-uniform)
-      gemv_finish_row<R, MODE>(acc, row, lane, y_f32, y_bf16, best_v, best_i);
+      gemv_finish_row<R, MODE>(acc, rs, row, lane, y_f32, y_bf16, best_v, best_i);
   };
 
   Regs wa, wb;
@@ -209,6 +214,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     replay::pdl::wait();
     stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
     __syncthreads();
+    rs = block_rms_scale<NORM>(red, K, in.eps);
     int n2 = n, kb2 = kb;
     advance(n2, kb2);
     while (n < N) {  // two chunks per trip, so that the register sets never swap (no dynamic indexing)
@@ -233,6 +239,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     replay::pdl::wait();
     stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
     __syncthreads();
+    rs = block_rms_scale<NORM>(red, K, in.eps);
     auto step = [&]() { n = n2, kb = kb2, n2 = n3, kb2 = kb3, advance(n3, kb3); };
     while (n < N) {  // two chunks per trip (no dynamic indexing of the register sets)
       compute(wa, n, kb);
@@ -310,6 +317,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
   replay::pdl::wait();
   stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
   __syncthreads();
+  const float rs = block_rms_scale<NORM>(red, K, in.eps);
 
   float acc[R] = {};
   float best_v = -INFINITY;
@@ -336,7 +344,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
     }
     gemv_fma_chunk<R, 4>(w, xs, K, k0 + lane * 8, acc);
     if (p == P - 1) {
-      gemv_finish_row<R, MODE>(acc, n, lane, y_f32, y_bf16, best_v, best_i);
+      gemv_finish_row<R, MODE>(acc, rs, n, lane, y_f32, y_bf16, best_v, best_i);
       n += kGemvWarps, p = 0;
     } else {
       ++p;

@@ -173,22 +173,25 @@ static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want
   for (int k = 0; k < K; ++k) xf[k] = 3.f * uniform(), xb[k] = __float2bfloat16(uniform());
   for (auto& v : y0) v = uniform();
 
-  // The reference: x as the kernels stage it (bf16, normalised with the fp32 RMS scale), then dot
-  // products in double.
+  // The reference: x as the kernels stage it (bf16 of x times the norm weight), dot products in
+  // double, times the fp32 RMS scale.
   std::vector<double> x(K);
+  double rs = 1.0;
   if (norm) {
     float ss = 0.f;
     for (float v : xf) ss += v * v;
-    const float rs = 1.f / std::sqrt(ss / K + 1e-6f);
-    for (int k = 0; k < K; ++k) x[k] = __bfloat162float(__float2bfloat16(xf[k] * rs * __bfloat162float(g[k])));
+    rs = 1.f / std::sqrt(ss / K + 1e-6f);
+    for (int k = 0; k < K; ++k) x[k] = __bfloat162float(__float2bfloat16(xf[k] * __bfloat162float(g[k])));
   } else {
     for (int k = 0; k < K; ++k) x[k] = __bfloat162float(xb[k]);
   }
   std::vector<double> ref(N);
   for (int n = 0; n < N; ++n) {
     double d[2] = {0, 0};
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
       for (int k = 0; k < K; ++k) d[r] += double(__bfloat162float(w[(std::size_t(r) * N + n) * K + k])) * x[k];
+      d[r] *= rs;
+    }
     ref[n] = mode == gemv_out::add_f32    ? y0[n] + d[0]
              : mode == gemv_out::silu_mul ? d[0] / (1.0 + std::exp(-d[0])) * d[1]
                                           : d[0];
