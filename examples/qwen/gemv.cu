@@ -120,8 +120,8 @@ __device__ __forceinline__ void gemv_fma_chunk(const uint4 (&w)[R][U], const bf1
   }
 }
 
-/// A warp's row n is complete: warp sums, lane 0 runs the epilogue of MODE and tracks the argmax,
-/// and acc is cleared for the next row.
+/// A warp's row n is complete: warp sums times rs (the RMS scale; 1 where x is not normalised), lane
+/// 0 runs the epilogue of MODE and tracks the argmax, and acc is cleared for the next row.
 template <int R, gemv_out MODE>
 __device__ __forceinline__ void gemv_finish_row(float (&acc)[R], float rs, int n, int lane, float* y_f32,
                                                 bf16* y_bf16, float& best_v, int& best_i) {
