@@ -40,6 +40,23 @@ __device__ __forceinline__ void norm_weights_prefetch(const GemvIn& in, int K, u
   }
 }
 
+/// Eight elements of a normalised GEMV input: x[0, 8) (fp32) times the norm weights gw (8 bf16),
+/// stored to dst as bf16 (the RMS scale is applied to the finished dot products); returns the sum
+/// of their squares, from which the row's scale is made.
+__device__ __forceinline__ float stage_norm8(const float* x, uint4 gw, bf16* dst) {
+  float g[8];
+  unpack8(gw, g);
+  const float4 a = *reinterpret_cast<const float4*>(x);
+  const float4 c = *reinterpret_cast<const float4*>(x + 4);
+  uint4 o;
+  o.x = pack2(a.x * g[0], a.y * g[1]);
+  o.y = pack2(a.z * g[2], a.w * g[3]);
+  o.z = pack2(c.x * g[4], c.y * g[5]);
+  o.w = pack2(c.z * g[6], c.w * g[7]);
+  *reinterpret_cast<uint4*>(dst) = o;
+  return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+}
+
 /// Stages the batch-1 GEMV input in shared memory as bf16, in one pass: x copied as is, or the fp32
 /// residual times in.norm_w (the layer's RMSNorm fused into the projection), each warp's sum of
 /// squares in red[warp]; the RMS scale (block_rms_scale, once the caller has synchronised) multiplies
@@ -52,17 +69,9 @@ __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float
   if constexpr (NORM) {
     float ss = 0.f;
     for (int k = tid * 8, pass = 0; k < K; k += (WARPS * 32) * 8, ++pass) {
-      float g[8];
-      unpack8(PREG && pass < 2 ? (pass == 0 ? gpre[0] : gpre[1]) : *reinterpret_cast<const uint4*>(in.norm_w + k), g);
-      const float4 a = *reinterpret_cast<const float4*>(in.x_f32 + k);
-      const float4 c = *reinterpret_cast<const float4*>(in.x_f32 + k + 4);
-      ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
-      uint4 o;
-      o.x = pack2(a.x * g[0], a.y * g[1]);
-      o.y = pack2(a.z * g[2], a.w * g[3]);
-      o.z = pack2(c.x * g[4], c.y * g[5]);
-      o.w = pack2(c.z * g[6], c.w * g[7]);
-      *reinterpret_cast<uint4*>(xs + k) = o;
+      const uint4 gw =
+          PREG && pass < 2 ? (pass == 0 ? gpre[0] : gpre[1]) : *reinterpret_cast<const uint4*>(in.norm_w + k);
+      ss += stage_norm8(in.x_f32 + k, gw, xs + k);
     }
     ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;
@@ -408,17 +417,8 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
       float sum = 0.f;
 #pragma unroll 4
       for (int k = (slice * 32 + lane) * 8; k < K; k += 256 * S) {
-        float g[8];
-        unpack8(*reinterpret_cast<const uint4*>(in.norm_w + k), g);
-        const float4 a = *reinterpret_cast<const float4*>(xr + k);
-        const float4 c = *reinterpret_cast<const float4*>(xr + k + 4);
-        sum += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
-        uint4 o;
-        o.x = pack2(a.x * g[0], a.y * g[1]);
-        o.y = pack2(a.z * g[2], a.w * g[3]);
-        o.z = pack2(c.x * g[4], c.y * g[5]);
-        o.w = pack2(c.z * g[6], c.w * g[7]);
-        *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) = o;
+        const uint4 gw = *reinterpret_cast<const uint4*>(in.norm_w + k);
+        sum += stage_norm8(xr + k, gw, xs + std::size_t(b) * sx + k);
       }
       sum = warp_sum(sum);
       if (lane == 0) ss[q] = S == 1 ? rsqrtf(sum / K + in.eps) : sum;  // one warp per row: the scale itself
