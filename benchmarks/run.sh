@@ -61,7 +61,7 @@ ran=()
 for p in "${progs[@]}"; do
   exe="$build/benchmarks/bench_$p"
   out="$results/$p.json"
-  # The suite's own programs get REPS / MIN_TIME; the pool programs (issue 3), whose manual time
+  # The suite's own programs get REPS / MIN_TIME; the pool programs, whose manual time
   # is a small part of their wall time, get fewer repetitions and a shorter minimum so the suite
   # stays within a few minutes. Programs with fixed iteration counts ignore MIN_TIME.
   case $p in
