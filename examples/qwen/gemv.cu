@@ -662,6 +662,7 @@ void check_linear(const Linear& op, int rows) {
 
 struct MmaLayout {
   int piece = 0;          // weights per row per slot
+  int map = 0;            // its index in kMmaPieces (and Linear::wmap)
   std::size_t bytes = 0;  // dynamic shared memory
 };
 
@@ -671,10 +672,10 @@ struct MmaLayout {
 std::optional<MmaLayout> mma_layout(const Linear& op, int rows) {
   if (op.K % 64 != 0) return std::nullopt;
   const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
-  for (int piece : kMmaPieces) {
-    const int pc = piece < op.K ? piece : op.K;
+  for (int m = 0; m < 3; ++m) {
+    const int pc = std::min(kMmaPieces[m], op.K);
     const std::size_t bytes = mma_shared_bytes(rows, op.K, R, pc, kMmaStages);
-    if (bytes <= kMmaSmemMax) return MmaLayout{pc, bytes};
+    if (bytes <= kMmaSmemMax) return MmaLayout{pc, m, bytes};
   }
   return std::nullopt;
 }
@@ -700,6 +701,7 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
     p.kind = GemvPlan::kernel::mma;
     p.shared_bytes = l->bytes;
     p.piece = l->piece;
+    p.wmap = l->map;
     const int per_sm = 2 * (l->bytes + 2048) <= kSmemPerSm ? 2 : 1;
     const int tiles = (op.N + 7) / 8;
     p.grid = tiles < per_sm * num_sms ? tiles : per_sm * num_sms;
@@ -760,9 +762,7 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
     case GemvPlan::kernel::pipelined_deep: by_mode<PipelinedDeep>(op.mode, pipelined); break;
     case GemvPlan::kernel::mma:
       with_mma(rows, op.mode, [&](auto k) {
-        int m = 0;  // the tensor map whose box is the plan's piece
-        while (m < 2 && std::min(kMmaPieces[m], op.K) != plan.piece) ++m;
-        replay::launch(k, c, op.wmap[m], op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
+        replay::launch(k, c, op.wmap[plan.wmap], op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
       });
       break;
   }

@@ -92,6 +92,7 @@ struct GemvPlan {
   std::size_t shared_bytes = 0;   ///< dynamic shared memory per block
   int slots = 0;                  ///< ring: slots per warp
   int piece = 0;                  ///< mma: weights per row per slot
+  int wmap = 0;                   ///< mma: which of Linear::wmap (the one whose box is `piece` wide)
 };
 
 /// Whether the fused GEMV serves `op` at `rows` rows: rows a power of two up to kMmaMaxRows and x
