@@ -287,7 +287,7 @@ __device__ __forceinline__ PieceCopy cursor_piece(Cursor& c, const MegaParams& p
 // first), and its items, (virtual pair, slice of PW / 2 weights of each row), pair-major, are split
 // evenly over its consumer warps. A slot holds one item: 2 rows x PW / 2 weights, row r at
 // r * PW / 2 (two bulk copies of PW bytes). Tiles of 4 rows x 512 weights (1 KiB copies) were
-// measured too, and streamed slower: docs/perf-notes.md, fifteenth round.
+// measured too, and streamed slower: docs/perf-notes.md.
 constexpr int kTileRows = 2;
 constexpr int kTileBlock = 128;  // weights of a row per MMA (mma_tile); slices are multiples of it
 constexpr int kTilePieces[] = {2048, 2560, 5120};  // weights per slot (a kernel variant each)
@@ -1139,8 +1139,7 @@ __device__ void attention_combine(const MegaParams& p, int l, int kvh, int h0, i
 /// update; the kv head's K/V are read by each of its items (from L2). One head against two (H100,
 /// graph TPOT, two rounds): 0.6B -4.5%, 4B -1.7%. Where the chunks of one-head items are capped by
 /// attn_splits (a long context), items of two heads get twice as many chunks on the same blocks:
-/// after a 2000-token prompt one-head items alone were 5% slower (H200). docs/perf-notes.md,
-/// thirteenth round.
+/// after a 2000-token prompt one-head items alone were 5% slower (H200; docs/perf-notes.md).
 /// attention_phase's T for each kind. A kernel with one-head items only was 1.5% faster on 0.6B with
 /// T = 3 (4 measured the same as 3), but the kernel's registers cover both kinds, and with T = 3 on
 /// either the whole step got slower (GEMV phases included): T = 2 for both.

@@ -41,7 +41,7 @@
 // default 128 positions, the per-matrix kernel's minimum, and as many chunks as there are blocks
 // per query head). Each chunk's block writes its partial softmax state as tagged words, then merges
 // its share of the outputs from every chunk's state. The merge is a second handoff (~3 us on an
-// H200), worth it only past two passes of 64 positions (docs/perf-notes.md, eighth round). With the
+// H200), worth it only past two passes of 64 positions (docs/perf-notes.md). With the
 // per-matrix kernel's splits and minimum chunk the chunks and the merge are its split-KV's.
 //
 // Example (what model.cu does for bucket 1):
@@ -61,8 +61,8 @@ namespace qwen {
 /// Stamps per block and phase of the persistent kernel's trace (MegaParams::trace).
 inline constexpr int kMegaMarks = 8;
 /// Consumer warps per block of the persistent kernel (plus one producer warp). A build may set
-/// another count with -DQWEN_MEGA_WARPS=n (up to 11 keep the 168-register cap of 9 warps; H200,
-/// fourteenth round: 10 and 11 were 1.5-2.5% slower for 0.6B, 10 was 1% faster and 11 4% slower for 4B).
+/// another count with -DQWEN_MEGA_WARPS=n (up to 11 keep the 168-register cap of 9 warps; H200: 10
+/// and 11 were 1.5-2.5% slower for 0.6B, 10 was 1% faster and 11 4% slower for 4B).
 #ifndef QWEN_MEGA_WARPS
 #define QWEN_MEGA_WARPS 8
 #endif
@@ -130,7 +130,7 @@ struct MegaParams {
   /// (the slowest block of a GEMV phase finished 17% after the median one), and every phase waits
   /// for its slowest block: 100 ns made the 4B step 3% faster. On an H200 the same pause made it 11%
   /// slower with 4 KiB tile slots, but 75 ns made it 2% faster with the 5 KiB slots it takes now
-  /// (docs/perf-notes.md, sixteenth and seventeenth rounds; MegaTuning).
+  /// (docs/perf-notes.md; MegaTuning).
   int pace_ns = 0;
   float* logits = nullptr;             ///< [vocab]
   unsigned long long* keys = nullptr;  ///< [1] argmax key of the step (as launch_argmax packs it)
@@ -180,8 +180,8 @@ constexpr int mega_part_splits(int splits, int group) { return group >= 2 ? mega
 /// at most max_slots), sets the kernel's shared-memory limit and checks that one block fits per SM.
 MegaGeometry mega_geometry(const MegaParams& p, int head_dim, int group, int max_slots, int num_sms);
 /// The persistent kernel's settings that differ by device, from the memory's peak bandwidth (measured
-/// on an H100 SXM, 3.35 TB/s, and an H200, 4.8 TB/s, only; docs/perf-notes.md, sixteenth and
-/// seventeenth rounds). The example's QWEN_MEGA_PACE and QWEN_MEGA_TILE_PIECE override them.
+/// on an H100 SXM, 3.35 TB/s, and an H200, 4.8 TB/s, only; docs/perf-notes.md). The example's
+/// QWEN_MEGA_PACE and QWEN_MEGA_TILE_PIECE override them.
 struct MegaTuning {
   /// MegaParams::pace_ns with tiles: under 4 TB/s 100 (H100: 4B 3% faster, 0.6B 0.5%); above, 75 where
   /// hidden >= 2048 (H200, 4B in 5 KiB slots: 2.19 ms against 2.24 without; 150 ns: 2.25), else 0

@@ -1,9 +1,9 @@
 // research/qwen/probes/bytesprobe.cu: does a grid-wide exchange of tagged words get cheaper when it
-// moves fewer bytes? Twenty-third round (docs/perf-notes.md). The persistent kernel's five exchanges
-// per layer (mega.cu) cost about 1.44 us each in reduceprobe.cu's chain; this probe varies the
-// number of elements and the word format of that same chain, to see whether the exchange's time
-// follows the bytes every block polls (then packing more values into a word pays) or not (then it
-// is latency and the format is irrelevant).
+// moves fewer bytes (docs/perf-notes.md)? The persistent kernel's five exchanges per layer
+// (mega.cu) cost about 1.44 us each in reduceprobe.cu's chain; this probe varies the number of
+// elements and the word format of that same chain, to see whether the exchange's time follows the
+// bytes every block polls (then packing more values into a word pays) or not (then it is latency
+// and the format is irrelevant).
 //
 // One block per SM, 8 warps exchange, a ninth warp optionally streams a large buffer (the weight
 // streams' load). Each iteration every block writes its slice of the words, then polls all of them

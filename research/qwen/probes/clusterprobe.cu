@@ -1,10 +1,10 @@
 // research/qwen/probes/clusterprobe.cu: what an exchange costs inside a thread-block cluster
 // (distributed shared memory and the cluster barrier), against the grid-wide exchanges of the
-// persistent kernel (mega.cu) and of the nineteenth round's counted sums (reduceprobe.cu).
-// Twenty-first round (docs/perf-notes.md): the 0.6B layer has five grid-wide exchanges; a design
-// with clusters could keep one of them inside a cluster (a query head's q/k/v rows computed by the
-// cluster that runs its attention) and pre-reduce a projection split by its input inside each
-// cluster before the grid-wide atomic sums (fewer contributors per element).
+// persistent kernel (mega.cu) and of the counted sums of reduceprobe.cu (docs/perf-notes.md). The
+// 0.6B layer has five grid-wide exchanges; a design with clusters could keep one of them inside a
+// cluster (a query head's q/k/v rows computed by the cluster that runs its attention) and
+// pre-reduce a projection split by its input inside each cluster before the grid-wide atomic sums
+// (fewer contributors per element).
 //
 // One block per SM (the dynamic shared memory keeps them apart), 8 warps; grid = the most blocks
 // that are whole clusters and resident together (cudaOccupancyMaxActiveClusters). Each iteration

@@ -2,7 +2,7 @@
 // block has bulk copies (cp.async.bulk) in flight, and a grid-wide counter barrier with and without.
 // Each block issues S KiB of bulk copies into shared memory, then thread 0 times a fence.acq_rel.gpu
 // or one grid barrier (red.release + ld.acquire spin, or fence + relaxed + fence), and when the
-// copied bytes arrived. H200 (docs/perf-notes.md, seventh round): the fence ends when the block's
+// copied bytes arrived. H200 (docs/perf-notes.md): the fence ends when the block's
 // copies have landed: 0.32 us with nothing in flight, 1.3 / 2.8 / 4.4 us with 64 / 128 / 192 KiB per
 // SM in flight on all 132 SMs. This is why the persistent kernel (mega.cu) hands activations over
 // in tagged words instead of flags published with release semantics.

@@ -1,8 +1,8 @@
 // research/qwen/probes/reduceprobe.cu: what a grid-wide exchange of a 1024-element vector costs when
 // the vector is a sum of partial vectors added with atomics, against the persistent kernel's exchange
-// of tagged words (mega.cu). Nineteenth round (docs/perf-notes.md): could a layer's down projection be
-// split by its input (each block adds its own partial of every output) so that gate/up -> down needs
-// no exchange, and attention + O projection likewise?
+// of tagged words (mega.cu; docs/perf-notes.md). Could a layer's down projection be split by its
+// input (each block adds its own partial of every output) so that gate/up -> down needs no
+// exchange, and attention + O projection likewise?
 //
 // One block per SM, 8 warps exchange, a ninth warp optionally streams a large buffer from memory (the
 // weight streams' load). Each iteration every block contributes, then polls all 1024 elements until
@@ -20,7 +20,7 @@
 //               thread mapping).
 //   5 tagged, each block's words in a 128-byte line of their own (one writer per line; 132 lines to
 //               poll, 8 words of each).
-// H200 (nineteenth round, three runs), µs per exchange idle / with the memory stream: tagged
+// H200 (three runs), µs per exchange idle / with the memory stream: tagged
 // 1.34-1.41 / 1.41-1.50; counted by all 132 blocks 3.36-3.46 / 3.39-3.49 (32 bytes apart: 5.4 / 5.6);
 // counted by ~16 blocks 1.60-1.66 / 1.66-1.73; a line per block 1.86-1.89 / 2.18.
 //   qwen_reduce_probe [iterations]

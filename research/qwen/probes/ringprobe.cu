@@ -1,9 +1,9 @@
 // research/qwen/probes/ringprobe.cu: the read bandwidth of per-warp bulk-copy rings (the persistent
 // kernel's weight streams) against slot size, slots and warps per SM, with a consumer that only
 // touches each slot (mode 0) or runs the GEMV's arithmetic on it (mode 1: bf16 x, mode 2: fp32 x),
-// and with or without an L2 evict-first hint. One block per SM streams 1 GiB. H200 (docs/perf-notes.md,
-// seventh round): 4.36-4.50 TB/s for every ring of 96-192 KiB per SM without arithmetic, whatever
-// the slot size (2-64 KiB); with the arithmetic 3.95 TB/s on 8 warps and 4.34 on 16.
+// and with or without an L2 evict-first hint. One block per SM streams 1 GiB. H200 (docs/perf-notes.md):
+// 4.36-4.50 TB/s for every ring of 96-192 KiB per SM without arithmetic, whatever the slot size
+// (2-64 KiB); with the arithmetic 3.95 TB/s on 8 warps and 4.34 on 16.
 //   qwen_ring_probe             (no arguments; prints one line per case)
 #include "../device_helpers.cuh"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Twenty-third round (docs/perf-notes.md): the exchange probes built straight with nvcc and run on the
-# GPU machine; logs to $OUT. Usage: OUT=dir bash scripts/gpu-bytes-probe.sh
+# The exchange probes (docs/perf-notes.md), built straight with nvcc and run on the GPU machine;
+# logs to $OUT. Usage: OUT=dir bash scripts/gpu-bytes-probe.sh
 set -euo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the persistent kernel's step goes, and A/B of its settings (sixteenth round, docs/perf-notes.md).
+# Where the persistent kernel's step goes, and A/B of its settings (docs/perf-notes.md).
 # On the GPU machine, after `source .deps/tools/env.sh`, with build-carry/qx/qwen.xz carried (and
 # optionally qwen_gpu.xz, qwen_base.xz: a build to compare against, qwen_trace.xz: a build configured
 # with -DQWEN_MEGA_TRACE=ON -DQWEN_MEGA_PROF=ON; scripts/gpu-qwen-carried.sh says how to make them):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The persistent kernel's tile slot sizes against a base build (fifteenth round, docs/perf-notes.md).
+# The persistent kernel's tile slot sizes against a base build (docs/perf-notes.md).
 # On the GPU machine, after `source .deps/tools/env.sh`, with build-carry/qx/{qwen,qwen_gpu,qwen_base}.xz
 # carried (scripts/gpu-qwen-carried.sh says how to make them):
 #   ROUNDS=2 bash scripts/gpu-qwen-tiles.sh [tests]
