@@ -20,8 +20,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
 
 namespace qwen {
 namespace {
@@ -387,6 +389,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
 constexpr int kMmaPad = 32;     // elements of padding per staged x row
 constexpr int kMmaStages = 4;   // ring slots per block
 constexpr int kMmaPieces[3] = {1024, 512, 256};  // weights per row per slot, widest first (at most K)
+constexpr int kMmaMaps = int(std::size(kMmaPieces));  // one tensor map per piece
+static_assert(std::extent_v<decltype(Linear::wmap)> == kMmaMaps, "Linear::wmap holds one tensor map per piece");
 constexpr std::size_t kMmaSmemMax = 226 * 1024;  // dynamic shared memory per block (sm_90: 227 KiB with the static)
 constexpr std::size_t kSmemPerSm = 228 * 1024;   // shared memory per SM (sm_90), 1 KiB of it reserved per block
 
@@ -672,7 +676,7 @@ struct MmaLayout {
 std::optional<MmaLayout> mma_layout(const Linear& op, int rows) {
   if (op.K % 64 != 0) return std::nullopt;
   const int R = op.mode == gemv_out::silu_mul ? 2 : 1;
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < kMmaMaps; ++m) {
     const int pc = std::min(kMmaPieces[m], op.K);
     const std::size_t bytes = mma_shared_bytes(rows, op.K, R, pc, kMmaStages);
     if (bytes <= kMmaSmemMax) return MmaLayout{pc, m, bytes};
@@ -789,7 +793,7 @@ void make_weight_maps(Linear& op) {
   const cuuint64_t dims[3] = {64, cuuint64_t(R) * op.N, cuuint64_t(op.K / 64)};
   const cuuint64_t strides[2] = {cuuint64_t(op.K) * sizeof(bf16), 64 * sizeof(bf16)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < kMmaMaps; ++i) {
     const cuuint32_t box[3] = {64, 8, cuuint32_t(std::min(kMmaPieces[i], op.K) / 64)};
     const CUresult r = encode(&op.wmap[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(op.W), dims, strides,
                               box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
