@@ -61,7 +61,7 @@ __device__ __forceinline__ float stage_norm8(const float* x, uint4 gw, bf16* dst
 
 /// Stages the batch-1 GEMV input in shared memory as bf16, in one pass: x copied as is, or the fp32
 /// residual times in.norm_w (the layer's RMSNorm fused into the projection), each warp's sum of
-/// squares in red[warp]; the RMS scale (rms_scale, once the caller has synchronised) multiplies
+/// squares in red[warp]; the RMS scale (block_rms_scale, once the caller has synchronised) multiplies
 /// the finished dot products: W·(x∘g)·rs = W·(x∘g·rs). Every thread of the block takes part; the
 /// caller synchronises before reading xs or red.
 template <bool NORM, int WARPS, bool PREG = false>
@@ -83,14 +83,14 @@ __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float
   }
 }
 
-/// The RMS scale of a staged row of K elements from the S partial sums of squares of its staging
-/// warps, added in order.
-template <int S>
-__device__ __forceinline__ float rms_scale(const float* sums, int K, float eps) {
-  float t = 0.f;
+/// The RMS scale of the staged row from stage_x's per-warp sums (added in warp order); 1 without NORM.
+template <bool NORM, int WARPS>
+__device__ __forceinline__ float block_rms_scale(const float (&red)[WARPS], int K, float eps) {
+  if constexpr (!NORM) return 1.f;
+  float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < S; ++j) t += sums[j];
-  return rsqrtf(t / K + eps);
+  for (int w = 0; w < WARPS; ++w) sum += red[w];
+  return rsqrtf(sum / K + eps);
 }
 
 /// The GEMV epilogue for one output: `a` = W row · x (for silu_mul the gate row), `up` = the up row.
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     replay::pdl::wait();
     stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
     __syncthreads();
-    rs = NORM ? rms_scale<kGemvWarps>(red, K, in.eps) : 1.f;
+    rs = block_rms_scale<NORM>(red, K, in.eps);
     int n2 = n, kb2 = kb;
     advance(n2, kb2);
     while (n < N) {  // two chunks per trip, so that the register sets never swap (no dynamic indexing)
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
     replay::pdl::wait();
     stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
     __syncthreads();
-    rs = NORM ? rms_scale<kGemvWarps>(red, K, in.eps) : 1.f;
+    rs = block_rms_scale<NORM>(red, K, in.eps);
     auto step = [&]() { n = n2, kb = kb2, n2 = n3, kb2 = kb3, advance(n3, kb3); };
     while (n < N) {  // two chunks per trip (no dynamic indexing of the register sets)
       compute(wa, n, kb);
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
   replay::pdl::wait();
   stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
   __syncthreads();
-  const float rs = NORM ? rms_scale<kGemvWarps>(red, K, in.eps) : 1.f;
+  const float rs = block_rms_scale<NORM>(red, K, in.eps);
 
   float acc[R] = {};
   float best_v = -INFINITY;
@@ -404,8 +404,9 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
 
 /// stage_x for the tensor-core GEMV, one pass over x. With NORM, x∘norm_w in bf16, S =
 /// kStageWarps<B> warps per row (each every S-th 256-wide slice of its k); the RMS scale is applied
-/// to the finished dot products (W·(x∘g)·rs = W·(x∘g·rs), rms_scale), each warp's sum of squares
-/// at ss[b * S + slice]. Otherwise every thread copies 8-element pieces of any row.
+/// to the finished dot products (W·(x∘g)·rs = W·(x∘g·rs), rms_scale). ss holds each row's scale
+/// where one warp stages the row, else each warp's sum of squares at ss[b * S + slice]. Otherwise
+/// every thread copies 8-element pieces of any row.
 template <int B>
 constexpr int kStageWarps = B >= kGemvWarps ? 1 : kGemvWarps / B;
 template <int B, bool NORM>
@@ -424,7 +425,7 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
         sum += stage_norm8(xr + k, gw, xs + std::size_t(b) * sx + k);
       }
       sum = warp_sum(sum);
-      if (lane == 0) ss[q] = sum;
+      if (lane == 0) ss[q] = S == 1 ? rsqrtf(sum / K + in.eps) : sum;  // one warp per row: the scale itself
     }
   } else {
     const int per_row = K / 8;
@@ -435,6 +436,16 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
           *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
     }
   }
+}
+/// Row b's RMS scale: ss[b] itself with one staging warp per row, else from the warps' sums of
+/// squares, added in slice order.
+template <int B>
+__device__ __forceinline__ float rms_scale(const float (&ss)[B * kStageWarps<B>], int b, int K, float eps) {
+  if constexpr (kStageWarps<B> == 1) return ss[b];
+  float t = 0.f;
+#pragma unroll
+  for (int j = 0; j < kStageWarps<B>; ++j) t += ss[b * kStageWarps<B> + j];
+  return rsqrtf(t / K + eps);
 }
 
 template <int B, gemv_out MODE, bool NORM>
@@ -518,7 +529,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_con
         }
         if (b < B && n < N) {
           if constexpr (NORM) {
-            const float rs = rms_scale<kStageWarps<B>>(ss + b * kStageWarps<B>, K, in.eps);
+            const float rs = rms_scale<B>(ss, b, K, in.eps);
 #pragma unroll
             for (int r = 0; r < R; ++r) a[r] *= rs;
           }
