@@ -405,8 +405,9 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
 /// stage_x for the tensor-core GEMV, one pass over x. With NORM, x∘norm_w in bf16, S =
 /// kStageWarps<B> warps per row (each every S-th 256-wide slice of its k); the RMS scale is applied
 /// to the finished dot products (W·(x∘g)·rs = W·(x∘g·rs), rms_scale). ss holds each row's scale
-/// where one warp stages the row, else each warp's sum of squares at ss[b * S + slice]. Otherwise
-/// every thread copies 8-element pieces of any row.
+/// where one warp stages the row (made by that warp before the block barrier: made by the epilogue's
+/// threads instead, the 8- and 16-row steps were slower), else each warp's sum of squares at
+/// ss[b * S + slice]. Otherwise every thread copies 8-element pieces of any row.
 template <int B>
 constexpr int kStageWarps = B >= kGemvWarps ? 1 : kGemvWarps / B;
 template <int B, bool NORM>
