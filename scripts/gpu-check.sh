@@ -19,7 +19,8 @@
 #   asan      the AddressSanitizer + UndefinedBehaviorSanitizer build (CMake preset "asan"): host
 #             tests, the CLIs' bad-input tests, the hostile-input corpus and the fuzz corpus replays
 # Settings: OUT (logs, default ./out), BUILD_DIR (build-gpu), STEPS (decode steps per Qwen bench, 128),
-# MEMCHECK_TIMEOUT (seconds per sanitizer run, 300). summary.txt in $OUT collects the result lines.
+# MEMCHECK_TIMEOUT (seconds per sanitizer run, 300), TARGETS (build only these CMake targets, e.g.
+# "qwen qwen_gpu" for the qwen stage; default: everything). summary.txt in $OUT collects the result lines.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu}
@@ -35,7 +36,7 @@ research=OFF; has research && research=ON
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DREPLAY_BUILD_RESEARCH=$research >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 t0=$SECONDS
-cmake --build "$build" -j16 >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+cmake --build "$build" -j16 ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 say "build: $((SECONDS - t0)) s"
 ng="$build/examples/nanogpt/nanogpt"
 qw="$build/examples/qwen/qwen"
