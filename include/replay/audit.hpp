@@ -105,11 +105,16 @@ struct audit_report {
   std::vector<arg_difference> unstable_addresses;
   std::vector<launch_difference> launch_changes;
   std::vector<topology_difference> topology;
+  /// Work that could not be compared at all: a conditional node whose bodies could not be read.
+  /// A report with any is not clean (what it did not see may freeze anything).
+  std::vector<std::string> not_compared;
   std::vector<std::string> notes;  ///< what could not be compared (e.g. a kernel without a layout)
 
-  /// True when the two captures are identical in everything compared.
+  /// True when the two captures are identical in everything compared and nothing was left
+  /// uncompared.
   [[nodiscard]] bool clean() const noexcept {
-    return frozen_values.empty() && unstable_addresses.empty() && launch_changes.empty() && topology.empty();
+    return frozen_values.empty() && unstable_addresses.empty() && launch_changes.empty() && topology.empty() &&
+           not_compared.empty();
   }
   /// The report as one JSON object.
   [[nodiscard]] std::string to_json() const;
@@ -181,26 +186,29 @@ inline audit_report compare_summaries(const graph_summary& ga, const graph_summa
     if (!in_b[j])
       r.topology.push_back({2, j, gb.nodes[j].path,
                             fmt::format("{} node {}", node_type_name(gb.nodes[j].type), node_label(gb.nodes[j]))});
-  // Edges between paired nodes that only one capture has.
+  // Edges between paired nodes that only one capture has, compared in the second capture's
+  // numbering and reported in the numbering of the capture that has them.
   {
-    std::vector<std::tuple<std::size_t, std::size_t, bool>> ea, eb;
+    std::vector<std::size_t> a_of_b(gb.nodes.size(), static_cast<std::size_t>(-1));
+    for (const auto& [i, j] : pairs) a_of_b[j] = i;
+    using edge_key = std::tuple<std::size_t, std::size_t, bool>;
+    std::vector<edge_key> ea, eb;
     for (const edge_info& e : ga.edges)
       if (in_a[e.from] && in_a[e.to]) ea.emplace_back(b_of_a[e.from], b_of_a[e.to], e.programmatic);
     for (const edge_info& e : gb.edges)
       if (in_b[e.from] && in_b[e.to]) eb.emplace_back(e.from, e.to, e.programmatic);
     std::sort(ea.begin(), ea.end());
     std::sort(eb.begin(), eb.end());
-    std::vector<std::tuple<std::size_t, std::size_t, bool>> only_a, only_b;
+    std::vector<edge_key> only_a, only_b;
     std::set_difference(ea.begin(), ea.end(), eb.begin(), eb.end(), std::back_inserter(only_a));
     std::set_difference(eb.begin(), eb.end(), ea.begin(), ea.end(), std::back_inserter(only_b));
-    const auto describe = [&](const auto& e, int which) {
-      const auto& [f, t, prog] = e;
-      r.topology.push_back({which, f, gb.nodes[f].path,
-                            fmt::format("{}edge {} -> {} ({} -> {})", prog ? "programmatic " : "", gb.nodes[f].path,
-                                        gb.nodes[t].path, node_label(gb.nodes[f]), node_label(gb.nodes[t]))});
+    const auto describe = [&](const graph_summary& g, std::size_t f, std::size_t t, bool prog, int which) {
+      r.topology.push_back({which, f, g.nodes[f].path,
+                            fmt::format("{}edge {} -> {} ({} -> {})", prog ? "programmatic " : "", g.nodes[f].path,
+                                        g.nodes[t].path, node_label(g.nodes[f]), node_label(g.nodes[t]))});
     };
-    for (const auto& e : only_a) describe(e, 1);
-    for (const auto& e : only_b) describe(e, 2);
+    for (const auto& [f, t, prog] : only_a) describe(ga, a_of_b[f], a_of_b[t], prog, 1);
+    for (const auto& [f, t, prog] : only_b) describe(gb, f, t, prog, 2);
   }
 
   const auto classify = [&](arg_difference&& d) {
@@ -211,6 +219,12 @@ inline audit_report compare_summaries(const graph_summary& ga, const graph_summa
   for (const auto& [i, j] : pairs) {
     const node_info& x = ga.nodes[i];
     const node_info& y = gb.nodes[j];
+    if (!x.bodies_known || !y.bodies_known) {
+      r.not_compared.push_back(fmt::format("node {} ({}): its bodies could not be read; the work inside them was "
+                                           "not compared",
+                                           x.path, node_type_name(x.type)));
+      continue;
+    }
     if (x.type == cudaGraphNodeTypeKernel) {
       const auto shape = [&](const char* what, std::string va, std::string vb) {
         if (va != vb) r.launch_changes.push_back({i, x.path, x.kernel, what, std::move(va), std::move(vb)});
@@ -348,6 +362,8 @@ inline std::string audit_report::to_json() const {
     s += fmt::format("{}{{\"capture\": {}, \"node\": {}, \"path\": {}, \"description\": {}}}", i == 0 ? "" : ", ",
                      d.capture, d.node, json_string(d.path), json_string(d.description));
   }
+  s += "], \"not_compared\": [";
+  for (std::size_t i = 0; i < not_compared.size(); ++i) s += (i == 0 ? "" : ", ") + json_string(not_compared[i]);
   s += "], \"notes\": [";
   for (std::size_t i = 0; i < notes.size(); ++i) s += (i == 0 ? "" : ", ") + json_string(notes[i]);
   s += "]}";
@@ -365,9 +381,10 @@ struct fmt::formatter<replay::audit_report> {
     auto out = ctx.out();
     out = fmt::format_to(out,
                          "replay audit: {} of {}/{} nodes paired; {} frozen value(s), {} unstable address(es), {} "
-                         "launch shape change(s), {} topology difference(s){}",
+                         "launch shape change(s), {} topology difference(s), {} not compared{}",
                          r.nodes_compared, r.nodes_a, r.nodes_b, r.frozen_values.size(), r.unstable_addresses.size(),
-                         r.launch_changes.size(), r.topology.size(), r.clean() ? ": clean" : "");
+                         r.launch_changes.size(), r.topology.size(), r.not_compared.size(),
+                         r.clean() ? ": clean" : "");
     for (const auto& d : r.frozen_values)
       out = fmt::format_to(out, "\n  frozen value: {}", replay::detail::describe_difference(d));
     for (const auto& d : r.unstable_addresses)
@@ -376,6 +393,7 @@ struct fmt::formatter<replay::audit_report> {
       out = fmt::format_to(out, "\n  launch shape: node {} {}: {} {} vs {}", d.path, d.kernel, d.what, d.a, d.b);
     for (const auto& d : r.topology)
       out = fmt::format_to(out, "\n  topology: only in capture {}: {} (node {})", d.capture, d.description, d.path);
+    for (const auto& n : r.not_compared) out = fmt::format_to(out, "\n  not compared: {}", n);
     for (const auto& n : r.notes) out = fmt::format_to(out, "\n  note: {}", n);
     return out;
   }

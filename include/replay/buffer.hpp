@@ -13,8 +13,8 @@
 //   stays valid for as long as the arena lives.
 //
 // Thread safety: none of these types synchronise; share them across threads only read-only.
-// Exception safety: constructors throw cuda_error on allocation failure and leak nothing; the
-// destructors never throw.
+// Exception safety: constructors throw cuda_error on allocation failure and leak nothing, and
+// usage_error before allocating when a size in bytes would overflow; the destructors never throw.
 //
 // Example:
 //   replay::static_arena arena(64 << 20);
@@ -70,6 +70,16 @@ constexpr std::size_t align_up(std::size_t n, std::size_t alignment) noexcept {
 }
 constexpr bool is_power_of_two(std::size_t n) noexcept { return n != 0 && (n & (n - 1)) == 0; }
 
+/// `count * sizeof(T)`, or usage_error naming `what` when the product does not fit in size_t (it
+/// would wrap to a small allocation while the owner claims `count` elements).
+template <class T>
+std::size_t checked_bytes(std::size_t count, const char* what) {
+  if (count > static_cast<std::size_t>(-1) / sizeof(T))
+    throw usage_error(fmt::format("replay::{}: {} elements of {} bytes overflow the size type", what, count,
+                                  sizeof(T)));
+  return count * sizeof(T);
+}
+
 /// The bookkeeping of static_arena without any memory: offsets, alignment, capacity, freezing.
 /// Host-testable.
 class arena_layout {
@@ -118,10 +128,12 @@ class device_buffer {
 
  public:
   device_buffer() noexcept = default;
+  /// Allocates `count` elements; usage_error (before allocating) when the byte size overflows.
   explicit device_buffer(std::size_t count) : count_(count) {
+    const std::size_t bytes = detail::checked_bytes<T>(count, "device_buffer");
     if (count != 0) {
       void* p = nullptr;
-      REPLAY_CHECK(cudaMalloc(&p, count * sizeof(T)), "device_buffer of {} bytes", count * sizeof(T));
+      REPLAY_CHECK(cudaMalloc(&p, bytes), "device_buffer of {} bytes", bytes);
       ptr_ = static_cast<T*>(p);
     }
   }
@@ -193,10 +205,12 @@ class pinned_buffer {
 
  public:
   pinned_buffer() noexcept = default;
+  /// Allocates `count` elements; usage_error (before allocating) when the byte size overflows.
   explicit pinned_buffer(std::size_t count) : count_(count) {
+    const std::size_t bytes = detail::checked_bytes<T>(count, "pinned_buffer");
     if (count != 0) {
       void* p = nullptr;
-      REPLAY_CHECK(cudaMallocHost(&p, count * sizeof(T)), "pinned_buffer of {} bytes", count * sizeof(T));
+      REPLAY_CHECK(cudaMallocHost(&p, bytes), "pinned_buffer of {} bytes", bytes);
       ptr_ = static_cast<T*>(p);
     }
   }
@@ -262,7 +276,7 @@ class static_arena {
   template <class T>
   [[nodiscard]] device_span<T> allocate(std::size_t count, std::size_t alignment = default_alignment) {
     const std::size_t align = alignment < alignof(T) ? alignof(T) : alignment;
-    const std::size_t offset = layout_.reserve(count * sizeof(T), align);
+    const std::size_t offset = layout_.reserve(detail::checked_bytes<T>(count, "static_arena::allocate"), align);
     return {reinterpret_cast<T*>(base_.data() + offset), count};
   }
 

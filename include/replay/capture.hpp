@@ -64,6 +64,7 @@ class capture_scope {
       pop();
       detail::throw_cuda_error(err, "cudaStreamBeginCapture", {}, std::source_location::current());
     }
+    mark_ = detail::conditional_begin();
     active_ = true;
   }
   capture_scope(const capture_scope&) = delete;
@@ -120,6 +121,7 @@ class capture_scope {
     active_ = false;
     cudaGraph_t g = nullptr;
     const cudaError_t err = cudaStreamEndCapture(stream_.get(), &g);
+    detail::conditional_table conditionals = detail::conditional_end(mark_, err == cudaSuccess);
     if (err != cudaSuccess) {
       if (g != nullptr) (void)cudaGraphDestroy(g);
       detail::throw_cuda_error(err, "cudaStreamEndCapture",
@@ -128,7 +130,7 @@ class capture_scope {
                                    : std::string(),
                                std::source_location::current());
     }
-    return graph(g);
+    return graph(g, std::move(conditionals));
   }
 
   /// Ends the capture now and throws the partial graph away; the stream is usable for eager work.
@@ -137,6 +139,7 @@ class capture_scope {
     if (!active_) return;
     active_ = false;
     pop();
+    (void)detail::conditional_end(mark_, false);
     // Join forked streams that never came back so the capture can end, then drop everything.
     for (auto& f : forks_) {
       if (f.joined) continue;
@@ -172,6 +175,30 @@ class capture_scope {
   capture_mode mode_;
   bool active_ = false;
   std::vector<fork_info> forks_;
+  detail::conditional_mark mark_{};  // where this capture's conditional records start
+};
+
+namespace detail {
+inline int& warmup_depth() noexcept {
+  thread_local int depth = 0;
+  return depth;
+}
+}  // namespace detail
+
+/// True while the calling thread runs a step's eager warm-up (graph_pool does, before a capture).
+/// A warm-up exists to run the step's kernels once outside a capture (lazy loading, library
+/// handles); work that must not run twice for one request is skipped then: while_loop() and
+/// token_loop::capture() on a stream that is not capturing do nothing during a warm-up, so a
+/// device loop never decodes for real before its capture.
+[[nodiscard]] inline bool warming_up() noexcept { return detail::warmup_depth() > 0; }
+
+/// Marks the calling thread as running a warm-up for the scope's lifetime (see warming_up()).
+class warmup_scope {
+ public:
+  warmup_scope() noexcept { ++detail::warmup_depth(); }
+  warmup_scope(const warmup_scope&) = delete;
+  warmup_scope& operator=(const warmup_scope&) = delete;
+  ~warmup_scope() { --detail::warmup_depth(); }
 };
 
 /// Captures `fn(stream)` into a graph. Exception-safe: if `fn` throws, the capture is discarded, the

@@ -92,6 +92,9 @@ class capture_watch;
 
 namespace detail {
 
+/// The CUPTI state of a capture_watch (defined where CUPTI is available).
+struct cupti_session;
+
 /// The module name of a path: "/usr/lib/x86_64-linux-gnu/libcublas.so.13" -> "libcublas.so.13".
 constexpr std::string_view module_basename(std::string_view path) noexcept {
   const auto slash = path.rfind('/');
@@ -232,6 +235,11 @@ struct cupti_api {
   }
 };
 
+struct cupti_session {
+  cupti_api api;
+  CUpti_SubscriberHandle subscriber = nullptr;
+};
+
 #endif  // REPLAY_HAS_CUPTI
 
 /// The capture_observer a watch installs (capture.hpp): resets the thread's record when a capture
@@ -266,21 +274,24 @@ class capture_watch {
     }
     claimed_ = true;
     try {
-      reason_ = api_.load();
+      session_ = new detail::cupti_session;
+      detail::cupti_api& api = session_->api;
+      reason_ = api.load();
       if (!reason_.empty()) {
         release();
         return;
       }
-      if (const CUptiResult r = api_.subscribe(&subscriber_, &detail::watch_callback, nullptr); r != CUPTI_SUCCESS) {
+      if (const CUptiResult r = api.subscribe(&session_->subscriber, &detail::watch_callback, nullptr);
+          r != CUPTI_SUCCESS) {
         reason_ = fmt::format("cuptiSubscribe failed: {} (a profiler or another CUPTI client may be attached)",
-                              api_.error(r));
-        subscriber_ = nullptr;
+                              api.error(r));
+        session_->subscriber = nullptr;
         release();
         return;
       }
       for (CUpti_CallbackDomain d : {CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_CB_DOMAIN_DRIVER_API}) {
-        if (const CUptiResult r = api_.enable_domain(1, subscriber_, d); r != CUPTI_SUCCESS) {
-          reason_ = fmt::format("cuptiEnableDomain failed: {}", api_.error(r));
+        if (const CUptiResult r = api.enable_domain(1, session_->subscriber, d); r != CUPTI_SUCCESS) {
+          reason_ = fmt::format("cuptiEnableDomain failed: {}", api.error(r));
           release();
           return;
         }
@@ -315,11 +326,10 @@ class capture_watch {
 #if REPLAY_HAS_CUPTI
     detail::capture_observer* mine = &observer_;
     (void)detail::capture_observer_slot().compare_exchange_strong(mine, nullptr);
-    if (subscriber_ != nullptr) {
-      (void)api_.unsubscribe(subscriber_);
-      subscriber_ = nullptr;
-    }
+    if (session_ != nullptr && session_->subscriber != nullptr) (void)session_->api.unsubscribe(session_->subscriber);
     // libcupti stays loaded: CUPTI does not support being unloaded from a process it attached to.
+    delete session_;
+    session_ = nullptr;
     if (claimed_) {
       detail::watch_claimed().store(false);
       claimed_ = false;
@@ -327,14 +337,13 @@ class capture_watch {
 #endif
   }
 
+  // The same members whether or not CUPTI is available (translation units built either way share
+  // this class): the CUPTI state sits behind a pointer.
   bool active_ = false;
-  std::string reason_;
-#if REPLAY_HAS_CUPTI
   bool claimed_ = false;
-  detail::cupti_api api_;
-  CUpti_SubscriberHandle subscriber_ = nullptr;
+  std::string reason_;
+  detail::cupti_session* session_ = nullptr;  // CUPTI builds: the loaded API and the subscriber
   detail::watch_observer observer_;
-#endif
 };
 
 }  // namespace replay

@@ -5,28 +5,42 @@
 // device (`condition::set`), so a graph can loop or branch without the host. `while_loop(s, body)`
 // appends a WHILE node to the capture in progress on `s` and captures `body` into the node's body
 // graph: the body runs again and again while the condition is non-zero, and the condition is
-// checked before the first run too. Its condition is assigned `default_value` at every launch of
-// the graph (cudaGraphCondAssignDefault), so a loop whose body clears the condition starts afresh
-// each launch. `if_then(s, c, body)` appends an IF node whose body runs once when `c` is non-zero;
-// `c` comes from `make_condition(s)` and is set by a kernel captured before the node.
+// checked before the first run too. `if_then(s, c, body)` appends an IF node whose body runs once
+// when `c` is non-zero; `c` comes from `make_condition(s)` and is set by a kernel captured before
+// the node.
+//
+// Defaults, per node type (each assigned at the start of every launch, cudaGraphCondAssignDefault):
+// - the condition while_loop(s, body) makes for itself starts at 1: the body runs at least once;
+// - a condition from make_condition() starts at 0, as CUDA's own default: an IF body (or a WHILE on
+//   it) runs only when a kernel set the condition during this launch.
+// With `assign_default = false` CUDA leaves the value at the start of a launch undefined: a kernel
+// of the same launch must set it before the node reads it.
 //
 // Everything that decides how often a body runs is data on the device (a trip count, a stop
 // token), never a captured value, so one graph serves any count and a pool key need not contain
 // it. Kernels in a body are captured as on any stream, PDL launches (replay::launch with .pdl)
 // included; the first kernel of each run of the body starts after the previous run has completed.
+// A WHILE body that captured no work is refused (usage_error): with its condition at 1 it would
+// spin forever; the usual cause is launching on the outer stream instead of the body's stream.
 //
 // On a stream that is not capturing, while_loop() builds the node in a graph of its own,
 // instantiates it and launches it on `s`: correct, but it pays an instantiation per call. That is
-// what graph_pool's eager warm-up and step_runner's eager fallback get; capture to get speed.
-// if_then() and make_condition() need a capture (their condition belongs to the captured graph).
+// what step_runner's eager paths (fallback, kill switch) get; capture to get speed. During a pool's
+// warm-up (replay::warming_up()) it does nothing: a loop's work is not repeatable. if_then() and
+// make_condition() need a capture (their condition belongs to the captured graph).
+//
+// The bodies of every node made here are recorded with the graph capture_scope returns, so
+// inspect() and the audit look inside them on any CUDA version.
 //
 // Guarantees: `condition` is a trivially copyable handle, passed to kernels by value; it is valid
 // in the graph it was made for (and in its execs) only, and drives one conditional node (CUDA
-// refuses a second node on the same condition: make one condition per node). Bodies are captured on a stream of their
-// own (created and destroyed by the call), in capture_mode::thread_local_mode unless told
+// refuses a second node on the same condition: make one condition per node; a condition that
+// drives no node makes instantiation fail, and replay names it). Bodies are captured on a stream
+// of their own (created and destroyed by the call), in capture_mode::thread_local_mode unless told
 // otherwise. An exception from a body ends the body capture and propagates; the enclosing
 // capture_scope then discards the whole graph. Errors: usage_error for a stream that is not
-// capturing where a capture is needed, a null condition or a condition set on the host; cuda_error
+// capturing where a capture is needed, a null condition, an empty WHILE body, or a condition set
+// on the host; a null condition set from a kernel traps in builds without NDEBUG; cuda_error
 // naming the CUDA call otherwise. Needs CUDA 12.4+ (if_then_else: 12.8+).
 //
 // Example (a device-side loop that runs until a kernel clears the condition):
@@ -51,6 +65,8 @@
 #include <cuda_device_runtime_api.h>
 #endif
 
+#include <cassert>
+
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -66,8 +82,8 @@ namespace replay {
 /// The condition of a conditional node: a handle into the graph the node belongs to. Trivially
 /// copyable, with no padding bytes (a captured kernel's parameters are fully determined, so
 /// replay::audit_step can compare them byte for byte); pass it to kernels by value.
-/// Default-constructed: null (setting it is a usage error on the host and does nothing on the
-/// device).
+/// Default-constructed: null (setting it is a usage error on the host; on the device it traps in
+/// builds without NDEBUG and does nothing otherwise).
 class condition {
  public:
   constexpr condition() noexcept = default;
@@ -83,6 +99,7 @@ class condition {
   __device__ void set(bool value) const { set_value(value ? 1u : 0u); }
   __device__ void set_value(unsigned value) const {
 #if defined(__CUDA_ARCH__)
+    assert(valid_ != 0 && "replay::condition::set on a null condition (made outside the graph's capture?)");
     if (valid_ != 0) cudaGraphSetConditional(h_, value);
 #else
     (void)value;
@@ -97,15 +114,21 @@ class condition {
 };
 static_assert(std::has_unique_object_representations_v<condition>, "condition has padding bytes");
 
-/// How a condition starts each launch.
+/// How a condition starts each launch. The defaults are make_condition()'s: 0 at every launch, so
+/// an IF body runs only when a kernel of this launch set the condition. while_loop(s, body) uses
+/// `while_defaults()` (1: the body runs at least once) unless told otherwise.
 struct condition_options {
   /// The value the condition gets at the start of every launch of the graph (with
   /// assign_default). A WHILE loop with 1 runs its body at least once; with 0, only when a kernel
   /// before the node set the condition.
-  unsigned default_value = 1;
-  /// Assign default_value at every launch (cudaGraphCondAssignDefault). Off: the value persists
-  /// from the previous launch (0 before the first), set only by kernels.
+  unsigned default_value = 0;
+  /// Assign default_value at every launch (cudaGraphCondAssignDefault). Off: CUDA leaves the value
+  /// undefined at the start of each launch (it does not persist from the previous one), so a kernel
+  /// of the same launch must set it before the node reads it.
   bool assign_default = true;
+
+  /// The defaults of the condition while_loop(s, body) makes for itself: 1 at every launch.
+  [[nodiscard]] static constexpr condition_options while_defaults() noexcept { return {1, true}; }
 };
 
 /// How a conditional node's bodies are captured.
@@ -161,6 +184,7 @@ inline condition create_condition(cudaGraph_t g, const condition_options& o, con
   REPLAY_CHECK(cudaGraphConditionalHandleCreate(&h, g, o.default_value,
                                                 o.assign_default ? static_cast<unsigned>(cudaGraphCondAssignDefault) : 0u),
                "{}: default value {}", what, o.default_value);
+  record_condition(h);
   return condition(h);
 }
 
@@ -188,7 +212,9 @@ inline std::vector<cudaGraph_t> add_conditional(stream_ref s, capture_point& at,
   REPLAY_CHECK(cudaStreamUpdateCaptureDependencies(s.get(), &node, 1, cudaStreamSetCaptureDependencies), "{}",
                what);
 #endif
-  return std::vector<cudaGraph_t>(params.conditional.phGraph_out, params.conditional.phGraph_out + bodies);
+  std::vector<cudaGraph_t> out(params.conditional.phGraph_out, params.conditional.phGraph_out + bodies);
+  record_conditional_node(node, c.handle(), out);
+  return out;
 }
 
 /// Captures `fn(stream_ref)` into `body` (a conditional node's body graph) on a stream of its own.
@@ -219,8 +245,9 @@ class body_stream {
   cudaStream_t s_ = nullptr;
 };
 
+/// Captures `fn(stream_ref)` into `body`. `must_work`: an empty body is refused (a WHILE body).
 template <class Fn>
-void capture_body(cudaGraph_t body, const body_options& o, const char* what, Fn&& fn) {
+void capture_body(cudaGraph_t body, const body_options& o, const char* what, Fn&& fn, bool must_work = false) {
   body_stream bs;
   REPLAY_CHECK(cudaStreamBeginCaptureToGraph(bs.get(), body, nullptr, nullptr, 0,
                                              static_cast<cudaStreamCaptureMode>(o.mode)),
@@ -244,13 +271,22 @@ void capture_body(cudaGraph_t body, const body_options& o, const char* what, Fn&
   if (!capturing.empty() && capturing.back() == bs.get()) capturing.pop_back();
   cudaGraph_t g = nullptr;
   REPLAY_CHECK(cudaStreamEndCapture(bs.get(), &g), "{}: ending the body capture", what);
+  if (must_work) {
+    std::size_t n = 0;
+    REPLAY_CHECK(cudaGraphGetNodes(body, nullptr, &n), "{}: counting the body's nodes", what);
+    if (n == 0)
+      throw usage_error(fmt::format("replay::{}: the WHILE body captured no work, so the loop would never "
+                                    "end; launch the body's kernels on the stream the body callable "
+                                    "receives, not on the outer stream",
+                                    what));
+  }
 }
 
 }  // namespace detail
 
 /// Creates a condition in the graph being captured on `s`, for one IF (or WHILE) node captured
-/// later on `s` and set by a kernel captured before it. Throws usage_error when `s` is not
-/// capturing.
+/// later on `s` and set by a kernel captured before it. By default it is 0 at the start of every
+/// launch (see condition_options). Throws usage_error when `s` is not capturing.
 [[nodiscard]] inline condition make_condition(stream_ref s, const condition_options& options = {}) {
   const detail::capture_point at = detail::capture_point_of(s, "make_condition");
   return detail::create_condition(at.graph, options, "make_condition");
@@ -264,17 +300,20 @@ template <class Body>
 void while_loop(stream_ref s, condition c, Body&& body, const body_options& options = {}) {
   detail::capture_point at = detail::capture_point_of(s, "while_loop");
   const auto bodies = detail::add_conditional(s, at, c, cudaGraphCondTypeWhile, 1, "while_loop");
-  detail::capture_body(bodies[0], options, "while_loop", body);
+  detail::capture_body(bodies[0], options, "while_loop", body, true);
 }
 
-/// Appends a WHILE node to the capture on `s` with a new condition (`cond`, default value 1: the
-/// body runs at least once per launch) and captures `body(stream_ref body_stream, condition c)`
+/// Appends a WHILE node to the capture on `s` with a new condition (`cond`, by default 1 at every
+/// launch: the body runs at least once) and captures `body(stream_ref body_stream, condition c)`
 /// into it; a kernel of the body clears `c` to stop. On a stream that is not capturing, the node is
-/// built in a graph of its own that is instantiated and launched on `s` (see the file comment).
+/// built in a graph of its own that is instantiated and launched on `s`, except during a warm-up,
+/// when nothing runs (see the file comment).
 template <class Body>
   requires std::is_invocable_v<Body&, stream_ref, condition>
-void while_loop(stream_ref s, Body&& body, const condition_options& cond = {}, const body_options& options = {}) {
+void while_loop(stream_ref s, Body&& body, const condition_options& cond = condition_options::while_defaults(),
+                const body_options& options = {}) {
   if (s.get() != nullptr && detail::capture_status_of(s.get()) == cudaStreamCaptureStatusNone) {
+    if (warming_up()) return;
     // Eager: the same node in a one-off graph. The exec may be destroyed while it runs (CUDA frees
     // it when the launch completes).
     graph g = capture(s, [&](stream_ref cs) { while_loop(cs, body, cond, options); }, options.mode);
@@ -285,7 +324,7 @@ void while_loop(stream_ref s, Body&& body, const condition_options& cond = {}, c
   detail::capture_point at = detail::capture_point_of(s, "while_loop");
   const condition c = detail::create_condition(at.graph, cond, "while_loop");
   const auto bodies = detail::add_conditional(s, at, c, cudaGraphCondTypeWhile, 1, "while_loop");
-  detail::capture_body(bodies[0], options, "while_loop", [&](stream_ref bs) { body(bs, c); });
+  detail::capture_body(bodies[0], options, "while_loop", [&](stream_ref bs) { body(bs, c); }, true);
 }
 
 /// Appends an IF node on `c` to the capture on `s` and captures `then_body(stream_ref)` into it:

@@ -6,7 +6,8 @@
 //   - the step's last kernel appends its token (`token_loop_ref::append`), which also decides
 //     whether to stop: after `limit` steps, on the stop token, or when the caller says the context
 //     is full. The token goes straight to pinned host memory; the step that stops the loop also
-//     writes the count and why it stopped there, and the host polls for that;
+//     writes the count, why it stopped, the limit it ran with and the launch's number there, and
+//     the host polls for that number;
 //   - the same kernel writes the next step's metadata (token, position, sequence length; a sampler
 //     whose random draw is a function of a seed and the position needs nothing more);
 // and the host launches once per K tokens, with no copy node and no event. `token_loop` owns the
@@ -32,15 +33,24 @@
 // `read_header().stopped != 0`. Nothing else of the loop lives on the host: whatever the step reads
 // per step must be advanced by the device (see docs/guide.md, "Device-side loops").
 //
+// Launches are numbered on the device, and wait() takes exactly the launch after the one it took
+// last: a launch it did not expect (two launches per wait(), or a loop run eagerly behind the
+// caller's back) is a usage_error naming both numbers, never another launch's tokens. wait() checks
+// the count against the limit that launch ran with, so the next launch may be armed before the
+// wait. Inside pools and runners: a pool's warm-up does not run the loop (replay::warming_up()),
+// and an eager run (the runner's fallback or kill switch) is one real launch, numbered like a
+// replay.
+//
 // Guarantees: `token_loop` is move-only (moved-from: every use throws usage_error); its device and
 // pinned addresses never change, so graphs may hold them. Not thread-safe. The device side
 // (`token_loop_ref`) is trivially copyable; append() must be called by one thread, once per step.
 // arm() never overwrites staging that an earlier push still reads. wait() is called once per
-// launch, before the next launch: the tokens it returns stay valid until then. Destructors never
-// throw.
+// launch, before the next launch: the tokens it returns stay valid until then. The capacity is
+// checked before anything is allocated. Destructors never throw.
 #pragma once
 
 #include <replay/buffer.hpp>
+#include <replay/capture.hpp>
 #include <replay/conditional.hpp>
 #include <replay/error.hpp>
 #include <replay/step_meta.hpp>
@@ -76,7 +86,7 @@ constexpr std::string_view to_string(loop_stop s) noexcept {
 }
 
 /// The device-resident header of a token loop: the count and stop flag of the launch in progress
-/// and the stop rule's inputs.
+/// and the stop rule's inputs. (The device copy is followed by the number of launches finished.)
 struct loop_header {
   std::int32_t produced = 0;    ///< tokens appended in this launch (reset by the graph)
   std::int32_t stopped = 0;     ///< loop_stop once the launch has stopped (reset by the graph)
@@ -100,8 +110,11 @@ REPLAY_HOST_DEVICE constexpr loop_stop stop_reason(std::int32_t produced, std::i
 /// What a kernel in the loop body uses: pass it by value. No padding bytes (a kernel parameter of
 /// this type is fully determined, also when default-constructed for a step outside the loop).
 struct token_loop_ref {
-  loop_header* header = nullptr;   ///< device memory: produced, stopped, limit, stop token
-  std::int32_t* result = nullptr;  ///< pinned host memory: [0] count, [1] loop_stop, then the tokens
+  /// Words of the pinned result before the tokens: count, loop_stop, limit, launch number.
+  static constexpr std::int32_t result_header = 4;
+
+  loop_header* header = nullptr;   ///< device memory: produced, stopped, limit, stop token, launches
+  std::int32_t* result = nullptr;  ///< pinned host memory: count, loop_stop, limit, launch, then the tokens
   std::int32_t capacity = 0;
   std::int32_t reserved = 0;       ///< explicit: no padding bytes
   condition cond;                  ///< the WHILE node's condition
@@ -120,20 +133,25 @@ struct token_loop_ref {
   /// condition. `now`: read_header() of this step. `context_full`: the token just appended fills
   /// the context (no further step fits). Call from one thread of the step's last kernel, once per
   /// step. Returns whether the loop goes on. The token goes straight to pinned host memory; the
-  /// step that stops the loop writes the count and then, after a system-scope fence, why it
-  /// stopped, which is what token_loop::wait() polls.
+  /// step that stops the loop writes the count, why it stopped and the limit, and then, after a
+  /// system-scope fence, the launch's number, which is what token_loop::wait() polls.
   __device__ bool append(const loop_header& now, std::int32_t token, bool context_full = false) const {
     const std::int32_t n = now.produced;
     volatile std::int32_t* out = result;
-    if (n < capacity) out[2 + n] = token;
+    if (n < capacity) out[result_header + n] = token;
     header->produced = n + 1;
     const loop_stop why = stop_reason(n + 1, token, context_full, now.limit, now.stop_token, capacity);
     if (why == loop_stop::running) return true;
     header->stopped = static_cast<std::int32_t>(why);
     cond.set(false);
+    std::int32_t* launches = reinterpret_cast<std::int32_t*>(header + 1);
+    const std::int32_t launch = *launches + 1;
+    *launches = launch;
     out[0] = n + 1 < capacity ? n + 1 : capacity;
-    __threadfence_system();  // the tokens and the count reach the host before the stop reason
     out[1] = static_cast<std::int32_t>(why);
+    out[2] = now.limit;
+    __threadfence_system();  // the tokens, count, reason and limit reach the host before the number
+    out[3] = launch;
     return false;
   }
   /// append(read_header(), token, context_full).
@@ -156,14 +174,12 @@ struct loop_result {
 class token_loop {
  public:
   token_loop() noexcept = default;
-  /// Room for `capacity` tokens per launch (>= 1).
+  /// Room for `capacity` tokens per launch (1 to 2^24; checked before anything is allocated).
   explicit token_loop(std::size_t capacity)
-      : capacity_(capacity),
-        header_(words),
-        result_(2 + (capacity == 0 ? 1 : capacity)) {
-    if (capacity == 0 || capacity > 1u << 24)
-      throw usage_error(fmt::format("replay::token_loop: capacity {} (it must be 1 to 2^24)", capacity));
-    for (auto& v : result_) v = 0;  // result_[1] == running: no launch has stopped yet
+      : capacity_(checked_capacity(capacity)),
+        header_(device_words),
+        result_(token_loop_ref::result_header + capacity) {
+    for (auto& v : result_) v = 0;  // launch number 0: no launch has finished yet
   }
 
   token_loop(token_loop&&) noexcept = default;
@@ -181,16 +197,17 @@ class token_loop {
   /// Adds the loop to the capture on `s`: a reset of the header's count and stop flag, then a WHILE
   /// node whose body is `step(stream_ref body, token_loop_ref loop)`, one decode step that ends
   /// with loop.append(). The body runs at least once per launch. On a stream that is not capturing
-  /// it runs once, eagerly, as while_loop() does.
+  /// it runs once, eagerly, as while_loop() does (one launch, numbered), and during a pool's
+  /// warm-up not at all.
   template <class Step>
     requires std::is_invocable_v<Step&, stream_ref, token_loop_ref>
   void capture(stream_ref s, Step&& step, const body_options& options = {}) {
     live("capture");
+    if (warming_up() && s.capture_status() == cudaStreamCaptureStatusNone) return;
     REPLAY_CHECK(cudaMemsetAsync(header_.device(), 0, 2 * sizeof(std::int32_t), s.get()),
                  "token_loop: resetting the count");
     while_loop(
-        s, [&](stream_ref body, condition c) { step(body, ref(c)); }, {.default_value = 1, .assign_default = true},
-        options);
+        s, [&](stream_ref body, condition c) { step(body, ref(c)); }, condition_options::while_defaults(), options);
   }
 
   /// Sets the step limit (1..capacity) and stop token (-1: none) of the next launches; pushes them on
@@ -212,39 +229,59 @@ class token_loop {
     stop_token_ = stop_token;
   }
 
-  /// Waits for the launch in flight on `s` to stop and returns what it produced. Polls the pinned
-  /// result the device writes (no copy, no event); if the loop takes unusually long (a slow tool, a
-  /// failed kernel) it synchronises `s`, which also reports any CUDA error. Call once per launch.
+  /// Waits for the next launch on `s` (the one after the launch the previous wait() took) to stop
+  /// and returns what it produced. Polls the pinned result the device writes (no copy, no event);
+  /// if the loop takes unusually long (a slow tool, a failed kernel) it synchronises `s`, which
+  /// also reports any CUDA error. Call once per launch. Throws usage_error when no launch finished,
+  /// or when a later launch than the expected one did (the result of the expected one was
+  /// overwritten); the next wait() then expects the launch after the one found.
   [[nodiscard]] loop_result wait(stream_ref s) {
     live("wait");
     if (!armed_) throw usage_error("replay::token_loop::wait: arm() was never called");
     volatile std::int32_t* out = result_.data();
-    std::int32_t why = out[1];
-    for (int i = 0; why == 0 && i < (1 << 22); ++i) why = out[1];
-    if (why == 0) {
+    const std::int32_t expected = waited_ + 1;
+    std::int32_t launch = out[3];
+    for (int i = 0; launch < expected && i < (1 << 22); ++i) launch = out[3];
+    if (launch < expected) {
       REPLAY_CHECK(cudaStreamSynchronize(s.get()));
-      why = out[1];
+      launch = out[3];
     }
-    std::atomic_thread_fence(std::memory_order_acquire);  // the count and tokens were written before `why`
-    const std::int32_t n = out[0];
-    if (n < 1 || n > limit_ || why < 1 || why > static_cast<std::int32_t>(loop_stop::context))
-      throw usage_error(fmt::format("replay::token_loop::wait: no finished launch on the stream (count {}, stop {}); "
-                                    "was the loop launched, and once per wait()?",
-                                    n, why));
-    out[1] = 0;  // ready for the next launch
-    return {std::span<const std::int32_t>(result_.data() + 2, static_cast<std::size_t>(n)),
+    std::atomic_thread_fence(std::memory_order_acquire);  // the rest was written before the number
+    if (launch < expected)
+      throw usage_error(fmt::format("replay::token_loop::wait: no finished launch on the stream (expected launch "
+                                    "{}, the last finished is {}); was the loop launched?",
+                                    expected, launch));
+    waited_ = launch;
+    if (launch != expected)
+      throw usage_error(fmt::format("replay::token_loop::wait: expected launch {} but launch {} finished: the loop "
+                                    "was launched more often than wait() was called (wait once per launch), and "
+                                    "the tokens of launch {} are lost",
+                                    expected, launch, expected));
+    const std::int32_t n = out[0], why = out[1], limit = out[2];
+    if (n < 1 || n > limit || why < 1 || why > static_cast<std::int32_t>(loop_stop::context))
+      throw usage_error(fmt::format("replay::token_loop::wait: launch {} left an inconsistent result (count {}, "
+                                    "limit {}, stop {})",
+                                    launch, n, limit, why));
+    return {std::span<const std::int32_t>(result_.data() + token_loop_ref::result_header, static_cast<std::size_t>(n)),
             static_cast<loop_stop>(why)};
   }
 
  private:
   static constexpr std::size_t words = sizeof(loop_header) / sizeof(std::int32_t);
+  static constexpr std::size_t device_words = 2 * words;  // the header, then the launch count (+ padding)
+  static std::size_t checked_capacity(std::size_t capacity) {
+    if (capacity == 0 || capacity > 1u << 24)
+      throw usage_error(fmt::format("replay::token_loop: capacity {} (it must be 1 to 2^24)", capacity));
+    return capacity;
+  }
   void live(const char* what) const {
     if (!result_) throw usage_error(fmt::format("replay::token_loop::{}: use of a moved-from token_loop", what));
   }
 
   std::size_t capacity_ = 0;
-  step_meta_array<std::int32_t> header_;  // device: the header; staging: what arm() pushes
-  pinned_buffer<std::int32_t> result_;    // count, stop reason, tokens: written by the device
+  step_meta_array<std::int32_t> header_;  // device: the header, launches; staging: what arm() pushes
+  pinned_buffer<std::int32_t> result_;    // count, stop reason, limit, launch, tokens: written by the device
+  std::int32_t waited_ = 0;               // the launch the last wait() took
   bool armed_ = false;
   int limit_ = 0;
   int stop_token_ = -1;

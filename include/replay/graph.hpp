@@ -13,9 +13,11 @@
 //   replay::graph_exec exec = g.instantiate({.upload_stream = s.get()});
 #pragma once
 
+#include <replay/detail/conditional_table.hpp>
 #include <replay/error.hpp>
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +48,13 @@ class graph {
   graph() noexcept = default;
   /// Takes ownership of a graph handle (e.g. from cudaStreamEndCapture).
   explicit graph(cudaGraph_t g) noexcept : g_(g) {}
+  /// Takes ownership of a captured graph and what its capture recorded about its conditional nodes
+  /// (capture_scope::finish()).
+  graph(cudaGraph_t g, detail::conditional_table conditionals)
+      : g_(g),
+        conditionals_(conditionals.nodes.empty() && conditionals.unused_handles() == 0
+                          ? nullptr
+                          : std::make_shared<const detail::conditional_table>(std::move(conditionals))) {}
   /// Creates a new empty graph (for building graphs by hand).
   [[nodiscard]] static graph create() {
     cudaGraph_t g = nullptr;
@@ -53,9 +62,12 @@ class graph {
     return graph(g);
   }
 
-  graph(graph&& o) noexcept : g_(std::exchange(o.g_, nullptr)) {}
+  graph(graph&& o) noexcept : g_(std::exchange(o.g_, nullptr)), conditionals_(std::move(o.conditionals_)) {}
   graph& operator=(graph&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.g_, nullptr));
+    if (this != &o) {
+      reset(std::exchange(o.g_, nullptr));
+      conditionals_ = std::move(o.conditionals_);
+    }
     return *this;
   }
   graph(const graph&) = delete;
@@ -63,11 +75,18 @@ class graph {
   ~graph() { reset(); }
 
   [[nodiscard]] cudaGraph_t get() const noexcept { return g_; }
-  [[nodiscard]] cudaGraph_t release() noexcept { return std::exchange(g_, nullptr); }
+  [[nodiscard]] cudaGraph_t release() noexcept {
+    conditionals_.reset();
+    return std::exchange(g_, nullptr);
+  }
   void reset(cudaGraph_t g = nullptr) noexcept {
     if (g_ != nullptr) (void)detail::check_noexcept(cudaGraphDestroy(g_));
     g_ = g;
+    conditionals_.reset();
   }
+  /// What the capture recorded about the graph's conditional nodes (their bodies, the condition
+  /// handles made for it), or nullptr: none, or a graph replay did not capture (a clone, a handle).
+  [[nodiscard]] const detail::conditional_table* conditionals() const noexcept { return conditionals_.get(); }
   explicit operator bool() const noexcept { return g_ != nullptr; }
   [[nodiscard]] bool empty() const noexcept { return g_ == nullptr; }
 
@@ -142,7 +161,8 @@ class graph {
     REPLAY_CHECK(cudaGraphDebugDotPrint(checked(), path.c_str(), flags), "path {}", path);
   }
 
-  /// A deep copy of the graph.
+  /// A deep copy of the graph. The copy's conditional bodies are not known to the inspector (the
+  /// runtime makes new body graphs and, before CUDA 13.1, cannot return them).
   [[nodiscard]] graph clone() const {
     cudaGraph_t c = nullptr;
     REPLAY_CHECK(cudaGraphClone(&c, checked()));
@@ -172,6 +192,7 @@ class graph {
   }
 
   cudaGraph_t g_ = nullptr;
+  std::shared_ptr<const detail::conditional_table> conditionals_;  // shared: graph stays cheap to move
 };
 
 }  // namespace replay

@@ -103,9 +103,15 @@ class graph_exec {
         case cudaGraphInstantiateMultipleDevicesNotSupported: why = "nodes on several devices"; break;
         default: break;
       }
-      detail::throw_cuda_error(err, "cudaGraphInstantiateWithParams",
-                               *why != '\0' ? std::string(why) : std::string(),
-                               std::source_location::current());
+      std::string context = why;
+      // CUDA answers "invalid argument" for a condition handle that drives no conditional node.
+      const detail::conditional_table* conds = g.conditionals();
+      if (err == cudaErrorInvalidValue && conds != nullptr && conds->unused_handles() != 0)
+        context = fmt::format("{} condition(s) made for this graph (replay::make_condition) drive no "
+                              "conditional node; CUDA refuses to instantiate a graph with an unused "
+                              "condition: pass each one to if_then / while_loop, or do not make it",
+                              conds->unused_handles());
+      detail::throw_cuda_error(err, "cudaGraphInstantiateWithParams", context, std::source_location::current());
     }
     return graph_exec(e, options);
   }

@@ -22,7 +22,12 @@
 // allocation, synchronisation or host reads; per-step values read through step_meta), and it must
 // be safe to run more than once with the same inputs: on a miss the request's step runs `warmup`
 // times eagerly and once more as the replay. Use `warmup = 0` for a step that is not (for
-// instance one that accumulates in place); then a miss runs it exactly once, as the replay.
+// instance one that accumulates in place); then a miss runs it exactly once, as the replay. The
+// warm-up runs inside a `warmup_scope` (capture.hpp): while_loop() and token_loop skip their loop
+// there, and a step can ask `replay::warming_up()` to skip other work that must run once.
+//
+// Statistics: a replay counts as a hit, and its rows as served, only once its launch succeeded; a
+// replay that fails is counted as a replay failure (the runner then counts its eager run).
 //
 // Eviction and in-flight replays: an evicted exec may still be running. Every replay records a
 // completion event, and the backend destroys an evicted exec only once that event has completed
@@ -134,10 +139,10 @@ class basic_graph_pool {
     if (it != slots_.end() && it->second.resident) [[likely]] {
       slot& sl = it->second;
       lru_.touch(&sl);
+      launch(sl, s);  // counted once it launched: a failed replay is no hit and serves no rows
       ++sl.hits;
       ++counters_.hits;
       detail::add_rows(counters_, rows);
-      launch(sl, s);
       return step_path::replayed;
     }
     return miss(key, s, step, rows);
@@ -337,8 +342,8 @@ class basic_graph_pool {
     slot& sl = slot_for(key);
     ++sl.misses;
     install(sl, s, step);
-    detail::add_rows(counters_, rows);
     launch(sl, s);
+    detail::add_rows(counters_, rows);
     return step_path::captured;
   }
 
@@ -352,6 +357,7 @@ class basic_graph_pool {
     try {
       if (options_.warmup > 0) {
         const nvtx_range range("warmup", *sl.key);
+        const warmup_scope warming;  // replay::warming_up(): device loops do not run
         for (int i = 0; i < options_.warmup; ++i) detail::call_step(step, s, *sl.key);
       }
       make_room();

@@ -1,10 +1,11 @@
-// replay/inspect.hpp: what a captured graph holds, node by node, as data, JSON and DOT.
+// replay/inspect.hpp: reads what a captured graph holds into a graph_summary (graph_summary.hpp),
+// which prints as JSON and DOT.
 //
 // `inspect(graph)` walks a graph in topological order and describes every node: its type, and for
 // a kernel node the demangled kernel name, grid, block, dynamic shared memory and the bytes of every
 // argument (laid out by cudaFuncGetParamInfo); for a memcpy / memset node its addresses and sizes.
-// Child graphs and the bodies of conditional nodes (where the runtime can return them, CUDA 13.1+)
-// are walked too; their nodes carry a path such as "7/0/2" (node 7, body 0, node 2). It counts nodes
+// Child graphs and the bodies of conditional nodes are walked too (the bodies of nodes replay made
+// are recorded with the captured graph; others where the runtime can return them, CUDA 13.1+); their nodes carry a path such as "7/0/2" (node 7, body 0, node 2). It counts nodes
 // by type and edges, including programmatic (PDL) edges. `to_json()` and `to_dot()` print a summary;
 // `write_graph_summary(graph, path)` writes DOT when the path ends in ".dot" and JSON otherwise.
 // The audit (audit.hpp) compares two such descriptions.
@@ -29,8 +30,8 @@
 //   replay::write_graph_summary(g, "step.json");   // or "step.dot" for Graphviz
 #pragma once
 
-#include <replay/detail/pool_json.hpp>
 #include <replay/error.hpp>
+#include <replay/graph_summary.hpp>
 #include <replay/graph.hpp>
 #include <replay/launch.hpp>
 
@@ -52,88 +53,6 @@
 #include <vector>
 
 namespace replay {
-
-/// One scalar field of a non-kernel node (memcpy / memset), e.g. {"dst", 0x7f..., true}.
-struct node_field {
-  std::string name;
-  std::uint64_t value = 0;
-  bool address = false;  ///< the field is a memory address (compared as one by the audit)
-};
-
-/// One kernel parameter: where it sits in the argument buffer and how large it is.
-struct param_layout {
-  std::size_t offset = 0;
-  std::size_t size = 0;
-};
-
-/// One node of a graph (plain data).
-struct node_info {
-  std::size_t index = 0;           ///< position in the flattened, topologically ordered list
-  std::string path;                ///< "3" at top level, "7/0/2" inside body 0 of node 7
-  int depth = 0;                   ///< 0 at top level
-  cudaGraphNodeType type = cudaGraphNodeTypeEmpty;
-  // Kernel nodes.
-  std::uintptr_t func = 0;         ///< the kernel's function handle (identity, not dereferenced)
-  std::string kernel;              ///< demangled name ("<unknown kernel>" if the runtime has none)
-  std::array<unsigned, 3> grid{};  ///< grid dimensions
-  std::array<unsigned, 3> block{}; ///< block dimensions
-  unsigned shared_bytes = 0;       ///< dynamic shared memory per block
-  bool args_known = false;         ///< the argument layout was available (params / args valid)
-  std::vector<param_layout> params;
-  std::vector<std::uint8_t> args;  ///< the argument buffer: param i at params[i].offset
-  // Memcpy / memset nodes (and the body count of child / conditional nodes).
-  std::vector<node_field> fields;
-  std::size_t bodies = 0;          ///< child graphs of a graph or conditional node
-  bool bodies_known = true;        ///< false for a conditional node whose bodies can't be read
-};
-
-/// One dependency between two nodes of the same (sub)graph, as indices into graph_summary::nodes.
-struct edge_info {
-  std::size_t from = 0;
-  std::size_t to = 0;
-  bool programmatic = false;  ///< made by programmatic dependent launch
-};
-
-/// Everything inspect() found. Plain data.
-struct graph_summary {
-  std::vector<node_info> nodes;  ///< topological order per (sub)graph; bodies follow their node
-  std::vector<edge_info> edges;
-  std::size_t programmatic_edges = 0;
-
-  /// Nodes of `type`, bodies included.
-  [[nodiscard]] std::size_t count(cudaGraphNodeType type) const noexcept {
-    return static_cast<std::size_t>(
-        std::count_if(nodes.begin(), nodes.end(), [&](const node_info& n) { return n.type == type; }));
-  }
-  /// Node counts by type name ("kernel", "memcpy", ...), bodies included.
-  [[nodiscard]] std::map<std::string, std::size_t> counts_by_type() const;
-  [[nodiscard]] std::string to_json() const;
-  [[nodiscard]] std::string to_dot() const;
-};
-
-/// The short name of a node type: "kernel", "memcpy", "memset", "host", "graph", "empty",
-/// "wait_event", "event_record", "ext_semaphore_signal", "ext_semaphore_wait", "mem_alloc",
-/// "mem_free", "conditional".
-constexpr std::string_view node_type_name(cudaGraphNodeType t) noexcept {
-  switch (t) {
-    case cudaGraphNodeTypeKernel: return "kernel";
-    case cudaGraphNodeTypeMemcpy: return "memcpy";
-    case cudaGraphNodeTypeMemset: return "memset";
-    case cudaGraphNodeTypeHost: return "host";
-    case cudaGraphNodeTypeGraph: return "graph";
-    case cudaGraphNodeTypeEmpty: return "empty";
-    case cudaGraphNodeTypeWaitEvent: return "wait_event";
-    case cudaGraphNodeTypeEventRecord: return "event_record";
-    case cudaGraphNodeTypeExtSemaphoreSignal: return "ext_semaphore_signal";
-    case cudaGraphNodeTypeExtSemaphoreWait: return "ext_semaphore_wait";
-    case cudaGraphNodeTypeMemAlloc: return "mem_alloc";
-    case cudaGraphNodeTypeMemFree: return "mem_free";
-#if CUDART_VERSION >= 12040
-    case cudaGraphNodeTypeConditional: return "conditional";
-#endif
-    default: return "other";
-  }
-}
 
 namespace detail {
 
@@ -242,6 +161,7 @@ struct driver_kernel_api {
 struct inspect_context {
   std::map<std::uintptr_t, kernel_layout> layouts;
   driver_kernel_api driver;
+  const conditional_table* conditionals = nullptr;  // bodies recorded at capture (graph::conditionals())
 };
 
 /// A parameter layout read with `info(i, &offset, &size)` until it fails. The runtime has no
@@ -446,8 +366,11 @@ inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, gr
       }
 #if CUDART_VERSION >= 12040
       case cudaGraphNodeTypeConditional: {
-        n.bodies_known = has_conditional_bodies<cudaGraphNode_t>(0);
-        bodies[r] = conditional_bodies(node, 0);
+        // The bodies replay recorded when it made the node, else what the runtime can return.
+        const std::vector<cudaGraph_t>* recorded =
+            ctx.conditionals != nullptr ? ctx.conditionals->bodies_of(node) : nullptr;
+        n.bodies_known = recorded != nullptr || has_conditional_bodies<cudaGraphNode_t>(0);
+        bodies[r] = recorded != nullptr ? *recorded : conditional_bodies(node, 0);
         n.bodies = bodies[r].size();
         break;
       }
@@ -468,7 +391,6 @@ inline void inspect_into(cudaGraph_t h, const std::string& prefix, int depth, gr
                      ctx);
 }
 
-inline std::string dims(const std::array<unsigned, 3>& d) { return fmt::format("[{},{},{}]", d[0], d[1], d[2]); }
 
 }  // namespace detail
 
@@ -477,85 +399,8 @@ inline std::string dims(const std::array<unsigned, 3>& d) { return fmt::format("
 [[nodiscard]] inline graph_summary inspect(const graph& g) {
   graph_summary s;
   detail::inspect_context ctx;
+  ctx.conditionals = g.conditionals();
   detail::inspect_into(g.checked(), "", 0, s, ctx);
-  return s;
-}
-
-inline std::map<std::string, std::size_t> graph_summary::counts_by_type() const {
-  std::map<std::string, std::size_t> m;
-  for (const node_info& n : nodes) ++m[std::string(node_type_name(n.type))];
-  return m;
-}
-
-inline std::string graph_summary::to_json() const {
-  using detail::json_string;
-  std::string s = "{\n  \"counts\": {";
-  s += fmt::format("\"nodes\": {}, \"edges\": {}, \"programmatic_edges\": {}", nodes.size(), edges.size(),
-                   programmatic_edges);
-  for (const auto& [type, n] : counts_by_type()) s += fmt::format(", {}: {}", json_string(type), n);
-  s += "},\n  \"nodes\": [";
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    const node_info& n = nodes[i];
-    s += fmt::format("{}\n    {{\"index\": {}, \"path\": {}, \"type\": {}", i == 0 ? "" : ",", n.index,
-                     json_string(n.path), json_string(node_type_name(n.type)));
-    if (n.type == cudaGraphNodeTypeKernel)
-      s += fmt::format(", \"kernel\": {}, \"grid\": {}, \"block\": {}, \"shared_bytes\": {}, \"params\": {}",
-                       json_string(n.kernel), detail::dims(n.grid), detail::dims(n.block), n.shared_bytes,
-                       n.args_known ? fmt::format("{}", n.params.size()) : std::string("null"));
-    for (const node_field& f : n.fields)
-      s += f.address ? fmt::format(", {}: \"{:#x}\"", json_string(f.name), f.value)
-                     : fmt::format(", {}: {}", json_string(f.name), f.value);
-    if (n.bodies != 0 || !n.bodies_known)
-      s += n.bodies_known ? fmt::format(", \"bodies\": {}", n.bodies) : std::string(", \"bodies\": null");
-    s += "}";
-  }
-  s += "\n  ],\n  \"edges\": [";
-  for (std::size_t i = 0; i < edges.size(); ++i)
-    s += fmt::format("{}\n    {{\"from\": {}, \"to\": {}, \"programmatic\": {}}}", i == 0 ? "" : ",", edges[i].from,
-                     edges[i].to, edges[i].programmatic);
-  s += "\n  ]\n}\n";
-  return s;
-}
-
-inline std::string graph_summary::to_dot() const {
-  const auto escape = [](std::string_view v) {
-    std::string o;
-    for (char c : v) {
-      if (c == '"' || c == '\\') o += '\\';
-      o += c;
-    }
-    return o;
-  };
-  std::string s = "digraph replay_graph {\n  node [shape=box, fontname=\"monospace\", fontsize=10];\n";
-  for (const node_info& n : nodes) {
-    std::string label = fmt::format("{}: {}", n.path, node_type_name(n.type));
-    if (n.type == cudaGraphNodeTypeKernel) {
-      std::string name = n.kernel;
-      if (name.size() > 60) name = name.substr(0, 57) + "...";
-      label = fmt::format("{}: {}\\ngrid {} block {} smem {}", n.path, escape(name), detail::dims(n.grid),
-                          detail::dims(n.block), n.shared_bytes);
-    } else {
-      for (const node_field& f : n.fields)
-        if (f.name == "width" || f.name == "value") label += fmt::format("\\n{} {}", f.name, f.value);
-    }
-    s += fmt::format("  n{} [label=\"{}\"{}];\n", n.index, label,
-                     n.type == cudaGraphNodeTypeKernel ? "" : ", style=rounded");
-  }
-  for (const edge_info& e : edges)
-    s += fmt::format("  n{} -> n{}{};\n", e.from, e.to, e.programmatic ? " [style=dashed, label=\"PDL\"]" : "");
-  // Bodies: a dotted edge from the owning node to the first node of each body.
-  for (const node_info& n : nodes) {
-    if (n.depth == 0) continue;
-    const auto cut = n.path.rfind('/');
-    const std::string body = n.path.substr(0, cut);
-    const std::string owner = body.substr(0, body.rfind('/'));
-    if (n.path.substr(cut + 1) != "0") continue;
-    for (const node_info& o : nodes)
-      if (o.path == owner)
-        s += fmt::format("  n{} -> n{} [style=dotted, label=\"body {}\"];\n", o.index, n.index,
-                         body.substr(body.rfind('/') + 1));
-  }
-  s += "}\n";
   return s;
 }
 

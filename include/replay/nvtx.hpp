@@ -85,7 +85,7 @@ inline void nvtx_pop() noexcept { (void)nvtxDomainRangePop(nvtx_domain()); }
 }  // namespace detail
 
 /// A range name built once and kept (e.g. per graph key) so that a range opened every step does
-/// no formatting. Empty when NVTX is compiled out.
+/// no formatting. Empty when NVTX is compiled out; its layout is the same either way.
 struct nvtx_label {
   std::string name;
   template <class Key>
@@ -115,8 +115,10 @@ class nvtx_range {
 
 #else
 
-/// NVTX compiled out (REPLAY_NVTX=0): holds nothing.
+/// NVTX compiled out (REPLAY_NVTX=0): the same layout as with NVTX (a pool slot holds one, and
+/// translation units built with and without NVTX share the pool's code), never filled.
 struct nvtx_label {
+  std::string name;
   template <class Key>
   void set(std::string_view, const Key&) noexcept {}
 };

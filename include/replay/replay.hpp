@@ -16,10 +16,13 @@
 #include <replay/pool_stats.hpp>
 #include <replay/cuda_graph_backend.hpp>
 #include <replay/graph_pool.hpp>
+#include <replay/warnings.hpp>
+#include <replay/kill_switch.hpp>
 #include <replay/runner.hpp>
 #include <replay/conditional.hpp>
 #include <replay/device_loop.hpp>
 #include <replay/nvtx.hpp>
+#include <replay/graph_summary.hpp>
 #include <replay/inspect.hpp>
 #include <replay/audit.hpp>
 // replay/capture_watch.hpp (CUPTI) is included on its own: it is opt-in diagnostics.

@@ -20,7 +20,12 @@
 //    slot and graph_staging() waits for that mark: writing the next step's values can never race
 //    with a replay that is still copying, whoever launches the graph (a pool, a runner, your own
 //    loop). The cost: one event-record node per graph, and one cudaEventSynchronize per
-//    graph_staging() call (immediate when the copy is done).
+//    graph_staging() call (immediate when the copy is done). On a stream that is not capturing
+//    (a pool's warm-up, a runner's eager fallback or kill switch, your own eager step) capture_copy()
+//    makes the same copy eagerly, guarded the same way, so one step function serves both paths.
+//
+// `push_range(stream, offset, count)` copies part of the staged array (one row of a block table, the
+// rows a batch uses) to the same part of the device copy.
 //
 // push() refuses to run while `s` is capturing (usage_error): a captured push would bake in
 // whichever staging slot was current, and later eager pushes alternate slots, so replays would copy
@@ -69,9 +74,9 @@ class step_meta_array {
   step_meta_array() noexcept = default;
   /// Allocates `count` elements on the device and `slots + 1` staging copies in pinned memory
   /// (the extra one is the in-graph copy's source). The device copy is zero when this returns.
+  /// Throws usage_error (before allocating) when `count` is 0 or its sizes overflow.
   explicit step_meta_array(std::size_t count)
-      : count_(count), device_(count), staging_((slots + 1) * count), state_(std::make_unique<state>()) {
-    if (count == 0) throw usage_error("replay::step_meta_array: size must be at least 1");
+      : count_(checked_count(count)), device_(count), staging_((slots + 1) * count), state_(std::make_unique<state>()) {
     // Zeroed on the legacy stream and waited for: a kernel on a non-blocking stream that reads the
     // metadata right after construction must not see the allocation's old contents.
     REPLAY_CHECK(cudaMemsetAsync(device_.data(), 0, device_.size_bytes(), cudaStreamLegacy));
@@ -111,19 +116,24 @@ class step_meta_array {
   /// Copies the first `count` staged elements to the device on `s` (async), guards the slot with an
   /// event, and moves staging to the other slot. Throws usage_error while `s` is capturing (use
   /// capture_copy() there).
-  void push(stream_ref s) { push(s, count_); }
-  void push(stream_ref s, std::size_t count) {
+  void push(stream_ref s) { push_range(s, 0, count_); }
+  void push(stream_ref s, std::size_t count) { push_range(s, 0, count); }
+  /// Copies staged elements [offset, offset + count) to the same elements of the device copy on `s`
+  /// (async), guards the slot with an event, and moves staging to the other slot. Throws usage_error
+  /// while `s` is capturing, or when the range exceeds size().
+  void push_range(stream_ref s, std::size_t offset, std::size_t count) {
     live("push");
     if (s.capture_status() != cudaStreamCaptureStatusNone)
       throw usage_error("replay::step_meta::push: the stream is capturing; a captured push would "
                         "replay a stale staging slot. Call capture_copy() inside the capture and "
                         "write graph_staging() before each launch instead");
-    if (count > count_)
-      throw usage_error(fmt::format("replay::step_meta_array::push: {} elements, capacity {}", count,
-                                    count_));
+    if (offset > count_ || count > count_ - offset)
+      throw usage_error(fmt::format("replay::step_meta_array::push: elements [{}, {} + {}) outside the "
+                                    "size {}",
+                                    offset, offset, count, count_));
     const std::size_t slot = state_->current;
-    REPLAY_CHECK(cudaMemcpyAsync(device_.data(), staging_.data() + slot * count_, count * sizeof(T),
-                                 cudaMemcpyHostToDevice, s.get()));
+    REPLAY_CHECK(cudaMemcpyAsync(device_.data() + offset, staging_.data() + slot * count_ + offset,
+                                 count * sizeof(T), cudaMemcpyHostToDevice, s.get()));
     state_->events[slot].record(s);
     state_->pending[slot] = true;
     state_->current = (slot + 1) % slots;
@@ -131,15 +141,21 @@ class step_meta_array {
 
   /// Records, inside a capture on `s`, a copy from the graph-staging slot to the device followed by
   /// an event-record node: every replay then starts by copying whatever graph_staging() holds and
-  /// marks when the copy is done. Throws usage_error when `s` is not capturing.
+  /// marks when the copy is done. On a stream that is not capturing it makes the same copy now,
+  /// followed by the same event, so an eager run of the step reads the same values. Throws
+  /// usage_error when the capture on `s` was invalidated.
   void capture_copy(stream_ref s) {
     live("capture_copy");
-    if (s.capture_status() != cudaStreamCaptureStatusActive)
-      throw usage_error("replay::step_meta::capture_copy: the stream is not capturing; use push() "
-                        "for an eager copy");
+    const cudaStreamCaptureStatus status = s.capture_status();
+    if (status == cudaStreamCaptureStatusInvalidated)
+      throw usage_error("replay::step_meta::capture_copy: the capture on the stream was invalidated by an "
+                        "earlier failed call");
     REPLAY_CHECK(cudaMemcpyAsync(device_.data(), staging_.data() + slots * count_, count_ * sizeof(T),
                                  cudaMemcpyHostToDevice, s.get()));
-    REPLAY_CHECK(cudaEventRecordWithFlags(state_->events[slots].get(), s.get(), cudaEventRecordExternal));
+    if (status == cudaStreamCaptureStatusActive)
+      REPLAY_CHECK(cudaEventRecordWithFlags(state_->events[slots].get(), s.get(), cudaEventRecordExternal));
+    else
+      REPLAY_CHECK(cudaEventRecord(state_->events[slots].get(), s.get()));
     state_->pending[slots] = true;
   }
   /// The source of the in-graph copy. Waits until every launched replay has finished copying it
@@ -165,6 +181,13 @@ class step_meta_array {
   void live(const char* what) const {
     if (!state_)
       throw usage_error(fmt::format("replay::step_meta::{}: use of a moved-from step_meta", what));
+  }
+  static std::size_t checked_count(std::size_t count) {
+    if (count == 0) throw usage_error("replay::step_meta_array: size must be at least 1");
+    if (count > static_cast<std::size_t>(-1) / (slots + 1))
+      throw usage_error(fmt::format("replay::step_meta_array: {} elements overflow the staging size", count));
+    (void)detail::checked_bytes<T>((slots + 1) * count, "step_meta_array");
+    return count;
   }
   void guard(std::size_t slot) {
     if (state_->pending[slot]) {
