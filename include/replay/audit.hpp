@@ -14,6 +14,9 @@
 // - nodes present in one capture only (or edges that differ) mean the step's topology depends on
 //   per-step values: a replay runs the first capture's kernels whatever the step would do now.
 // Memcpy and memset nodes are compared field by field (addresses, sizes, values) in the same way.
+// The bodies of conditional nodes (WHILE, IF; a token_loop's step) are compared like the rest; the
+// condition handle each capture makes for its own node is not a difference. A body that cannot be
+// read is reported as "not compared", and the report is then not clean.
 // Stage callables run outside the captures: write step metadata there (step_meta::staging() and
 // push(), or a model's own setter), or do eager work. A clean report means the step's graph is the
 // same for both sets of values; it cannot see values that are equal in both stagings, so stage
@@ -165,9 +168,13 @@ inline std::vector<std::pair<std::size_t, std::size_t>> align_nodes(const std::v
 }
 
 /// Compares two descriptions. `is_address(v)` says whether a value is a CUDA address (for 8-byte
-/// words only). Pure function of its arguments: host-testable.
+/// words only). `same` lists 8-byte values that stand for the same thing in both captures (the
+/// condition handles each capture made, in creation order): a word that holds the first of a pair
+/// in one capture and the second in the other is no difference. Pure function of its arguments:
+/// host-testable.
 inline audit_report compare_summaries(const graph_summary& ga, const graph_summary& gb,
-                                      const std::function<bool(std::uint64_t)>& is_address) {
+                                      const std::function<bool(std::uint64_t)>& is_address,
+                                      const std::vector<std::pair<std::uint64_t, std::uint64_t>>& same = {}) {
   audit_report r;
   r.nodes_a = ga.nodes.size();
   r.nodes_b = gb.nodes.size();
@@ -253,6 +260,9 @@ inline audit_report compare_summaries(const graph_summary& ga, const graph_summa
         for (std::size_t w = 0; w < l.size; w += word) {
           const std::size_t n = std::min(word, l.size - w);
           if (std::memcmp(pa + w, pb + w, n) == 0) continue;
+          if (n == 8 && std::find(same.begin(), same.end(), std::pair(load_le(pa + w, 8), load_le(pb + w, 8))) !=
+                            same.end())
+            continue;
           classify({i, x.path, x.kernel, {}, p, l.offset, w, n, load_le(pa + w, n), load_le(pb + w, n)});
         }
       }
@@ -301,7 +311,14 @@ inline std::string describe_difference(const arg_difference& d) {
 /// Compares two captures of the same step (see the header comment). Call it while every buffer
 /// either capture references is still allocated.
 [[nodiscard]] inline audit_report audit_graphs(const graph& a, const graph& b) {
-  return detail::compare_summaries(inspect(a), inspect(b), &detail::is_cuda_address);
+  // Each capture makes its own condition handles: the i-th of one is the i-th of the other.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> same;
+  const detail::conditional_table* ca = a.conditionals();
+  const detail::conditional_table* cb = b.conditionals();
+  if (ca != nullptr && cb != nullptr && ca->handles.size() == cb->handles.size())
+    for (std::size_t i = 0; i < ca->handles.size(); ++i)
+      same.emplace_back(ca->handles[i].first, cb->handles[i].first);
+  return detail::compare_summaries(inspect(a), inspect(b), &detail::is_cuda_address, same);
 }
 
 /// Options of audit_step.

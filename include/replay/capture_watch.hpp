@@ -47,8 +47,13 @@
 #include <string_view>
 #include <vector>
 
-#if defined(__linux__) && __has_include(<cupti.h>) && __has_include(<dlfcn.h>) && __has_include(<execinfo.h>)
+// REPLAY_HAS_CUPTI: 1 where CUPTI's header and dlopen exist (define it to 0 to leave CUPTI out).
+// capture_watch has the same layout either way, so translation units may differ in it.
+#if !defined(REPLAY_HAS_CUPTI) && defined(__linux__) && __has_include(<cupti.h>) && __has_include(<dlfcn.h>) && \
+    __has_include(<execinfo.h>)
 #define REPLAY_HAS_CUPTI 1
+#endif
+#if REPLAY_HAS_CUPTI
 #include <cupti.h>
 #include <dlfcn.h>
 #include <execinfo.h>
@@ -56,6 +61,7 @@
 #include <cxxabi.h>
 #endif
 #else
+#undef REPLAY_HAS_CUPTI
 #define REPLAY_HAS_CUPTI 0
 #endif
 

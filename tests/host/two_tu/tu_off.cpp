@@ -1,0 +1,24 @@
+// The two-TU test's translation unit with NVTX off (see test_two_tu.cpp).
+#define REPLAY_NVTX 0
+#define REPLAY_HAS_CUPTI 0
+#include <replay/capture_watch.hpp>
+#include <replay/graph_pool.hpp>
+#include <replay/nvtx.hpp>
+
+#include "../pool_fake_backend.hpp"
+#include "layout.hpp"
+
+namespace two_tu {
+
+layout layout_nvtx_off() {
+  return {REPLAY_NVTX, REPLAY_HAS_CUPTI, sizeof(replay::nvtx_label), alignof(replay::nvtx_label),
+          sizeof(replay::capture_watch), alignof(replay::capture_watch)};
+}
+
+std::size_t run_off(void* pool, unsigned bucket) {
+  auto& p = *static_cast<pool_fake::fake_pool<replay::graph_key>*>(pool);
+  (void)p.run(replay::graph_key{.bucket = bucket}, 0, [](int) {});
+  return p.size();
+}
+
+}  // namespace two_tu
