@@ -85,7 +85,7 @@ class graph {
     conditionals_.reset();
   }
   /// What the capture recorded about the graph's conditional nodes (their bodies, the condition
-  /// handles made for it), or nullptr: none, or a graph replay did not capture (a clone, a handle).
+  /// handles made for it), or nullptr: none, or a graph capture_scope did not make.
   [[nodiscard]] const detail::conditional_table* conditionals() const noexcept { return conditionals_.get(); }
   explicit operator bool() const noexcept { return g_ != nullptr; }
   [[nodiscard]] bool empty() const noexcept { return g_ == nullptr; }
@@ -161,8 +161,7 @@ class graph {
     REPLAY_CHECK(cudaGraphDebugDotPrint(checked(), path.c_str(), flags), "path {}", path);
   }
 
-  /// A deep copy of the graph. The copy's conditional bodies are not known to the inspector (the
-  /// runtime makes new body graphs and, before CUDA 13.1, cannot return them).
+  /// A deep copy of the graph (CUDA refuses to clone a graph with conditional nodes).
   [[nodiscard]] graph clone() const {
     cudaGraph_t c = nullptr;
     REPLAY_CHECK(cudaGraphClone(&c, checked()));

@@ -190,11 +190,20 @@ TEST_CASE("the audit compares the bodies of a token_loop's WHILE node") {
   CHECK(ok.nodes_compared == 3);  // the reset, the WHILE node, the step inside its body
   const replay::graph g = replay::capture(s, good);
   CHECK(replay::inspect(g).count(cudaGraphNodeTypeKernel) == 1);  // the body's kernel is visible
-  // A clone's bodies cannot be read: the report says "not compared" and is not clean.
-  const replay::graph c = g.clone();
-  const replay::audit_report unknown = replay::audit_graphs(c, c);
-  CHECK_FALSE(unknown.clean());
-  CHECK(unknown.not_compared.size() == 1);
+  // Captured without a capture_scope, the bodies were not recorded and (CUDA 13.0) cannot be read:
+  // the report says "not compared" and is not clean.
+  REPLAY_CHECK(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeThreadLocal));
+  good(s);
+  cudaGraph_t raw = nullptr;
+  REPLAY_CHECK(cudaStreamEndCapture(s.get(), &raw));
+  const replay::graph unrecorded(raw);
+  const replay::audit_report unknown = replay::audit_graphs(unrecorded, unrecorded);
+  if (replay::inspect(unrecorded).nodes[1].bodies_known) {
+    CHECK(unknown.clean());  // a runtime that returns bodies (CUDA 13.1+)
+  } else {
+    CHECK_FALSE(unknown.clean());
+    CHECK(unknown.not_compared.size() == 1);
+  }
 }
 
 TEST_CASE("make_condition's default is 0: an IF body runs only when a kernel sets the condition") {
