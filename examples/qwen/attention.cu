@@ -68,8 +68,8 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
   replay::pdl::wait();
   const int r = blockIdx.x, h = blockIdx.y;
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
-  const int pos = meta.pos[r];
-  const int blk = meta.block_table[std::size_t(meta.slot[r]) * meta.table_width + pos / kv.block_size];
+  const int pos = meta.rows[r].pos;
+  const int blk = meta.block_table[std::size_t(meta.rows[r].slot) * meta.table_width + pos / kv.block_size];
   write_kv_head<D>(row, q_dim, kv_dim, k_norm, eps, rope, pos, blk, kv, layer, h, threadIdx.x & 31);
 }
 
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   // position pos), the first iteration's K/V of the earlier positions. In prefill the kernel before
   // this one writes the chunk's K/V, so everything is read after the wait.
   const bool pre = write_kv != 0;
-  const int pos = meta.pos[r];
-  const int row_slot = meta.slot[r];  // loaded with pos (the block table row depends on it)
+  const int pos = meta.rows[r].pos;
+  const int row_slot = meta.rows[r].slot;  // loaded with pos (the block table row depends on it)
   const int seq_len = pos + 1;
   // This block's positions [begin, end): chunk `split` of the context.
   int chunk = seq_len, chunks = 1;

@@ -23,10 +23,15 @@ namespace qwen {
 using bf16 = __nv_bfloat16;
 
 /// Device pointers (fixed for the engine's lifetime) to the per-row step metadata.
+/// One row of a step: the token it feeds, its position and its sequence's block-table row.
+struct RowStep {
+  std::int32_t token = 0;  ///< input token id
+  std::int32_t pos = 0;    ///< position of that token (attends to 0..pos)
+  std::int32_t slot = 0;   ///< block-table row of the row's sequence
+};
+
 struct RowMeta {
-  const std::int32_t* token = nullptr;        ///< [rows] input token id of each row
-  const std::int32_t* pos = nullptr;          ///< [rows] position of that token (attends to 0..pos)
-  const std::int32_t* slot = nullptr;         ///< [rows] block-table row of the row's sequence
+  const RowStep* rows = nullptr;              ///< [rows] the step's rows
   const std::int32_t* block_table = nullptr;  ///< [(max_seqs+1) * table_width] physical block ids
   int table_width = 0;                        ///< blocks per block-table row
 };

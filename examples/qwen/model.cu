@@ -76,8 +76,10 @@ struct Engine::Impl {
   KvPool kv;
   std::optional<PagedKvBook> book;
 
-  // Step metadata: rows [token | pos | slot], each max_rows long (copied before each step).
-  replay::step_meta_array<std::int32_t> row_meta;
+  // Step metadata (copied before each step): one RowStep per row, and the block table, whose rows
+  // are copied as the host's bookkeeping changes them.
+  replay::step_meta_array<RowStep> row_meta;       // [max_rows]
+  replay::step_meta_array<std::int32_t> table_meta;  // [(max_seqs + 1) * width]
   RowMeta meta;
 
   // Every other buffer, carved from one arena: fixed addresses for the engine's lifetime.
@@ -91,14 +93,10 @@ struct Engine::Impl {
   float* logits = nullptr;                   // [max_batch][V]
   unsigned long long* keys = nullptr;        // [rows] packed argmax
   float2* rope = nullptr;                    // [max_context][head_dim / 2] (cos, sin)
-  std::int32_t* block_table = nullptr;       // [(max_seqs + 1) * width]
   float* attn_partial = nullptr;             // split-KV partial softmax states
   unsigned* attn_arrived = nullptr;          // split-KV arrival counters, zero between launches
   std::byte* cublas_ws = nullptr;
-  replay::pinned_buffer<std::int32_t> block_table_host;
   replay::pinned_buffer<unsigned long long> keys_host;
-  replay::event table_copied;
-  bool table_copy_pending = false;
 
   /// A decoder layer as the step launches it: four projections and attention's norms.
   struct Layer {
@@ -250,9 +248,9 @@ struct Engine::Impl {
     kv.base = kv_pool.data();
     REPLAY_CHECK(cudaMemsetAsync(kv_pool.data(), 0, kv_pool.size_bytes(), stream.get()));
     max_rows = std::max(opt.max_batch, opt.prefill_chunk);
-    row_meta = replay::step_meta_array<std::int32_t>(3 * std::size_t(max_rows));
-    meta = {.token = row_meta.device(), .pos = row_meta.device() + max_rows, .slot = row_meta.device() + 2 * max_rows,
-            .table_width = width};
+    row_meta = replay::step_meta_array<RowStep>(std::size_t(max_rows));
+    table_meta = replay::step_meta_array<std::int32_t>(book->table().size());
+    meta = {.rows = row_meta.device(), .block_table = table_meta.device(), .table_width = width};
   }
 
   /// Carves every buffer from one arena (sized first, then allocated once and frozen).
@@ -261,13 +259,12 @@ struct Engine::Impl {
     std::size_t split_rows = 0;  // split-KV scratch for the largest rows x splits of any bucket
     for (int b = 1; b <= opt.max_batch; b *= 2)
       split_rows = std::max(split_rows, std::size_t(b) * attn_plan(b).splits);
-    const std::size_t table = book->table().size();
     const std::size_t partial = split_rows * cfg.num_key_value_heads * cfg.group_size() * (cfg.head_dim + 2);
     const std::size_t arrived = R * cfg.num_key_value_heads;
     const std::size_t rope_n = std::size_t(opt.max_context) * cfg.head_dim / 2;
     const std::size_t sizes[] = {R * H * 4,       R * H * 2,       R * cfg.qkv_dim() * 4, R * cfg.q_dim() * 2,
                                  R * 2 * I * 4,   R * I * 2,       opt.max_batch * V * 4, R * 8,
-                                 rope_n * 8,      table * 4,       partial * 4,           arrived * 4,
+                                 rope_n * 8,      partial * 4,     arrived * 4,
                                  kCublasWorkspace};
     std::size_t bytes = 0;
     for (std::size_t s : sizes) bytes += align_bytes(s);
@@ -281,14 +278,11 @@ struct Engine::Impl {
     logits = arena.allocate<float>(std::size_t(opt.max_batch) * V).data();
     keys = arena.allocate<unsigned long long>(R).data();
     rope = arena.allocate<float2>(rope_n).data();
-    block_table = arena.allocate<std::int32_t>(table).data();
     attn_partial = arena.allocate<float>(partial).data();
     attn_arrived = arena.allocate<unsigned>(arrived).data();
     cublas_ws = arena.allocate<std::byte>(kCublasWorkspace).data();
     arena.freeze();
     REPLAY_CHECK(cudaMemsetAsync(arena.base(), 0, arena.capacity(), stream.get()));
-    meta.block_table = block_table;
-    block_table_host = replay::pinned_buffer<std::int32_t>(table);
     keys_host = replay::pinned_buffer<unsigned long long>(R);
     QWEN_CUBLAS(cublasSetWorkspace(cublas.get(), cublas_ws, kCublasWorkspace));
     QWEN_CUBLAS(cublasSetMathMode(cublas.get(), CUBLAS_DEFAULT_MATH));
@@ -399,24 +393,18 @@ struct Engine::Impl {
   void push_block_table() {
     auto [b, e] = book->dirty();
     if (b == e) return;
-    if (table_copy_pending) table_copied.synchronize();  // never overwrite staging still being read
-    std::memcpy(block_table_host.data() + b, book->table().data() + b, std::size_t(e - b) * sizeof(std::int32_t));
-    REPLAY_CHECK(cudaMemcpyAsync(block_table + b, block_table_host.data() + b, std::size_t(e - b) * sizeof(std::int32_t),
-                                 cudaMemcpyHostToDevice, stream.get()));
-    table_copied.record(stream);
-    table_copy_pending = true;
+    auto st = table_meta.staging();  // waits if this slot's previous copy is still reading it
+    std::copy(book->table().begin() + b, book->table().begin() + e, st.begin() + b);
+    table_meta.push_range(stream, std::size_t(b), std::size_t(e - b));
     book->clear_dirty();
   }
 
   /// Stages the rows (padding rows: scratch slot, token 0, position 0) and pushes the metadata.
   void stage_and_push(std::span<const DecodeRow> rows) {
     auto st = row_meta.staging();
-    for (int r = 0; r < max_rows; ++r) {
-      const bool real = r < static_cast<int>(rows.size());
-      st[r] = real ? rows[r].token : 0;
-      st[max_rows + r] = real ? rows[r].pos : 0;
-      st[2 * max_rows + r] = real ? rows[r].slot : book->scratch_slot();
-    }
+    for (int r = 0; r < max_rows; ++r)
+      st[r] = r < static_cast<int>(rows.size()) ? RowStep{rows[r].token, rows[r].pos, rows[r].slot}
+                                                : RowStep{0, 0, book->scratch_slot()};
     push_block_table();
     row_meta.push(stream);
   }
@@ -467,8 +455,8 @@ struct Engine::Impl {
 
   void capture_loop() {
     loop.emplace(static_cast<std::size_t>(kMaxTokensPerLaunch));
-    std::int32_t* token = row_meta.device();           // row 0 of the token row
-    std::int32_t* pos = row_meta.device() + max_rows;  // row 0 of the position row
+    std::int32_t* token = &row_meta.device()->token;  // row 0's token and position
+    std::int32_t* pos = &row_meta.device()->pos;
     const replay::graph g = replay::capture(stream, [&](replay::stream_ref cs) {
       loop->capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
         step(1, body);

@@ -48,7 +48,7 @@ __global__ void embed_kernel(const bf16* __restrict__ embed, int vocab, int hidd
   replay::pdl::launch_dependents();
   replay::pdl::wait();
   const int r = blockIdx.x;
-  int tok = meta.token[r];
+  int tok = meta.rows[r].token;
   tok = tok < 0 ? 0 : (tok >= vocab ? vocab - 1 : tok);  // inputs are validated on the host; stay in bounds
   if (threadIdx.x == 0) keys[r] = 0ull;
   const bf16* src = embed + std::size_t(tok) * hidden;
