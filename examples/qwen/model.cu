@@ -518,7 +518,7 @@ GraphStats Engine::graph_stats() const {
 std::size_t Engine::weight_bytes() const { return impl_->weights.size_bytes(); }
 std::size_t Engine::kv_pool_bytes() const { return impl_->kv_pool.size_bytes(); }
 std::size_t Engine::buffer_bytes() const {
-  return impl_->arena.capacity() + 3 * sizeof(std::int32_t) * std::size_t(impl_->max_rows);
+  return impl_->arena.capacity() + impl_->row_meta.span().size_bytes() + impl_->table_meta.span().size_bytes();
 }
 
 int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<float> logits) {
