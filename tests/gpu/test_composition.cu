@@ -7,29 +7,19 @@
 #include <gpu_test.hpp>
 #include <replay/replay.hpp>
 
+#include "fake_decode.cuh"
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace {
 
-struct fake_meta {
-  int token;
-  int pos;
-  int seq_len;
-  int seed;
-};
-__host__ __device__ int fake_sample(const fake_meta& m) { return (m.token * 31 + m.pos * 7 + m.seed) % 50; }
+using fake_decode::fake_meta;
+using fake_decode::fake_sample;
+using fake_decode::host_tokens;
 
-// One decode step of the loop: samples from the metadata, appends, advances the metadata.
-__global__ void loop_step(fake_meta* meta, int context, replay::token_loop_ref loop) {
-  const fake_meta m = *meta;
-  const int token = fake_sample(m);
-  meta->token = token;
-  meta->pos = m.seq_len;
-  meta->seq_len = m.seq_len + 1;
-  (void)loop.append(token, m.seq_len + 1 >= context);
-}
+using fake_decode::fake_decode_step;
 // The same step with the position passed by value (frozen at capture): what the audit must find.
 __global__ void loop_step_frozen(fake_meta* meta, int pos, replay::token_loop_ref loop) {
   const fake_meta m = *meta;
@@ -38,16 +28,6 @@ __global__ void loop_step_frozen(fake_meta* meta, int pos, replay::token_loop_re
   meta->pos = m.seq_len;
   meta->seq_len = m.seq_len + 1;
   (void)loop.append(token);
-}
-
-std::vector<int> host_tokens(fake_meta m, int n) {
-  std::vector<int> out;
-  for (int i = 0; i < n; ++i) {
-    const int t = fake_sample(m);
-    out.push_back(t);
-    m = {t, m.seq_len, m.seq_len + 1, m.seed};
-  }
-  return out;
 }
 
 __global__ void write_value(int* out, int v) { *out = v; }
@@ -69,7 +49,7 @@ struct loop_fixture {
 
   void step(replay::stream_ref cs) {
     loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
-      replay::launch(loop_step, {.stream = body}, meta.device(), 100000, ref);
+      replay::launch(fake_decode_step, {.stream = body}, meta.device(), 100000, ref);
     });
   }
   /// Runs `launch()` for each K, collecting the tokens, then checks tokens and metadata.
@@ -181,7 +161,7 @@ TEST_CASE("the audit compares the bodies of a token_loop's WHILE node") {
 
   const auto good = [&](replay::stream_ref cs) {
     loop.capture(cs, [&](replay::stream_ref body, replay::token_loop_ref ref) {
-      replay::launch(loop_step, {.stream = body}, meta.device(), 1000, ref);
+      replay::launch(fake_decode_step, {.stream = body}, meta.device(), 1000, ref);
     });
   };
   const replay::audit_report ok =

@@ -6,6 +6,8 @@
 #include <gpu_test.hpp>
 #include <replay/replay.hpp>
 
+#include "fake_decode.cuh"
+
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -46,33 +48,9 @@ __global__ void set_from(const int* flag, replay::condition c, replay::condition
 }
 __global__ void write_value(int* out, int v) { *out = v; }
 
-// A stand-in for a decode step: the "sampled" token is a function of the step metadata; the kernel
-// appends it, then writes the next step's metadata (as a model's sampler does).
-struct fake_meta {
-  int token;
-  int pos;
-  int seq_len;
-  int seed;
-};
-__host__ __device__ int fake_sample(const fake_meta& m) { return (m.token * 31 + m.pos * 7 + m.seed) % 50; }
-__global__ void fake_decode_step(fake_meta* meta, int context, replay::token_loop_ref loop) {
-  const fake_meta m = *meta;
-  const int token = fake_sample(m);
-  meta->token = token;
-  meta->pos = m.seq_len;
-  meta->seq_len = m.seq_len + 1;
-  (void)loop.append(token, m.seq_len + 1 >= context);
-}
-
-std::vector<int> host_tokens(fake_meta m, int n) {
-  std::vector<int> out;
-  for (int i = 0; i < n; ++i) {
-    const int t = fake_sample(m);
-    out.push_back(t);
-    m = {t, m.seq_len, m.seq_len + 1, m.seed};
-  }
-  return out;
-}
+using fake_decode::fake_meta;
+using fake_decode::fake_decode_step;
+using fake_decode::host_tokens;
 
 void set_int(int* p, int v, replay::stream_ref s) {
   REPLAY_CHECK(cudaMemcpyAsync(p, &v, sizeof v, cudaMemcpyHostToDevice, s.get()));
