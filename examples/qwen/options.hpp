@@ -29,7 +29,7 @@ struct EngineOptions {
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
   int gemv_max_rows = 16;                    ///< largest bucket on the fused GEMV (0, 1, 2, 4, 8, 16); larger: cuBLAS
   int attn_min_chunk = 128;                  ///< split-KV attention: positions per block at least (multiple of 64)
-  bool sampling = false;                     ///< lm_head writes logits and a sampler picks the token (Engine::set_sampling); off: fused argmax
+  bool sampling = false;                     ///< the lm_head writes logits and a sampler picks the token; off: argmax
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
@@ -75,7 +75,8 @@ struct SampleParams {
   void validate() const {
     if (!std::isfinite(temperature) || temperature < 0.f)
       throw input_error(fmt::format("sampling temperature must be finite and >= 0 (0: greedy), got {}", temperature));
-    if (!(top_p > 0.f && top_p <= 1.f)) throw input_error(fmt::format("sampling top_p must be in (0, 1], got {}", top_p));
+    if (!(top_p > 0.f && top_p <= 1.f))
+      throw input_error(fmt::format("sampling top_p must be in (0, 1], got {}", top_p));
     if (top_k < 0) throw input_error(fmt::format("sampling top_k must be >= 0 (0: no limit), got {}", top_k));
   }
 };

@@ -92,7 +92,7 @@ __device__ void choose_digit(Shared& sh, bool first, float top_p, int k) {
     if (lane >= o) incl += t;
   }
   const u64 total = __shfl_sync(0xffffffffu, incl, 31);
-  const u64 need = !first ? sh.need
+  const u64 need = !first              ? sh.need
                    : W == weigh::count ? u64(k)
                                        : static_cast<u64>(ceil(double(top_p) * double(total)));
   __syncwarp();  // every lane has read sh.need before one lane writes it
@@ -109,8 +109,8 @@ __device__ void choose_digit(Shared& sh, bool first, float top_p, int k) {
 /// The largest key t for which the weight (count, or mass) of the logits with key >= t, among
 /// those with key >= floor, reaches k (count) or ceil(top_p * their total mass) (mass).
 template <weigh W>
-__device__ unsigned radix_select(const float* x, int V, unsigned floor, float xmax, float inv_t, float top_p, int k,
-                                 Shared& sh) {
+__device__ unsigned radix_select(const float* x, int V, unsigned floor, float xmax, float inv_t, float top_p,
+                                 int k, Shared& sh) {
   unsigned prefix = 0, mask = 0;  // the digits chosen so far and the bits they cover
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += kSampleThreads) sh.hist[b] = 0;
@@ -139,11 +139,12 @@ __device__ unsigned radix_select(const float* x, int V, unsigned floor, float xm
 }
 
 __global__ void __launch_bounds__(kSampleThreads)
-    sample_kernel(const float* __restrict__ logits, int V, const RowStep* rows, const SampleParams* params, u64* keys) {
+    sample_kernel(const float* __restrict__ logits, int V, const RowStep* rows, const SampleParams* params,
+                  u64* keys) {
   replay::pdl::launch_dependents();
   __shared__ Shared sh;
   const int r = blockIdx.x;
-  const SampleParams p = *params;       // step metadata, read before the wait as every kernel does
+  const SampleParams p = *params;        // step metadata, read before the wait as every kernel does
   const std::int32_t pos = rows[r].pos;  // position of the row's input token
   replay::pdl::wait();
   const float* x = logits + std::size_t(r) * V;
@@ -189,8 +190,9 @@ void launch_sample(const float* logits, int V, const RowStep* rows, const Sample
   if (logits == nullptr || rows == nullptr || params == nullptr || keys == nullptr)
     throw replay::usage_error("qwen::launch_sample: logits, rows, params and keys must be device pointers");
   if (V < 1 || nrows < 1) throw replay::usage_error("qwen::launch_sample: needs V >= 1 and at least one row");
-  replay::launch(sample_kernel, {.grid = dim3(nrows), .block = dim3(kSampleThreads), .stream = s, .pdl = true}, logits,
-                 V, rows, params, keys);
+  replay::launch(sample_kernel,
+                 {.grid = dim3(nrows), .block = dim3(kSampleThreads), .stream = s, .pdl = true}, logits, V,
+                 rows, params, keys);
 }
 
 }  // namespace qwen

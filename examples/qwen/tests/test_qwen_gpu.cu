@@ -111,6 +111,17 @@ std::size_t differing(const std::vector<float>& a, const std::vector<float>& b) 
   for (std::size_t k = 0; k < a.size(); ++k) n += a[k] != b[k] ? 1 : 0;
   return n;
 }
+/// Decodes `prompts` for 12 steps eagerly, then from graphs: the same tokens and bit-identical logits.
+/// Returns the graph run's tokens.
+std::vector<std::vector<int>> check_eager_is_graph(Engine& e, const std::vector<std::vector<int>>& prompts) {
+  std::vector<float> le, lg;
+  const auto eager = generate(e, prompts, 12, false, &le);
+  const auto graph = generate(e, prompts, 12, true, &lg);
+  CHECK(eager == graph);
+  CHECK(differing(le, lg) == 0);
+  return graph;
+}
+
 /// Relative L2 distance of got[0, n) from want[0, n).
 double rel_l2(const float* got, const float* want, std::size_t n) {
   double num = 0, den = 0;
@@ -133,12 +144,7 @@ TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV a
       const int V = e.config().vocab_size;
       for (int batch : {1, 3, 6, 11}) {  // buckets 1, 4 (a padded row), 8 and 16
         CAPTURE(batch);
-        const auto prompts = prompts_of(batch, 5, 3, 0, V);
-        std::vector<float> le, lg;
-        const auto eager = generate(e, prompts, 12, false, &le);
-        const auto graph = generate(e, prompts, 12, true, &lg);
-        CHECK(eager == graph);
-        CHECK(differing(le, lg) == 0);
+        (void)check_eager_is_graph(e, prompts_of(batch, 5, 3, 0, V));
       }
       const auto st = e.graph_stats();
       CHECK(st.captures == 4);
@@ -723,7 +729,8 @@ std::vector<double> expected(const std::vector<float>& logits, const SampleParam
   }
   std::vector<double> w(V, 0.0);
   double z = 0;
-  for (int j = 0; j < keep; ++j) z += w[order[j]] = std::exp((double(logits[order[j]]) - logits[order[0]]) / p.temperature);
+  for (int j = 0; j < keep; ++j)
+    z += w[order[j]] = std::exp((double(logits[order[j]]) - logits[order[0]]) / p.temperature);
   if (p.top_p < 1.f) {
     double c = 0;
     int j = 0;
@@ -768,10 +775,11 @@ TEST_CASE("sampling: temperature 0, or top_k 1 at any temperature, picks the arg
       const int a = V / 3, b = V - 1;  // a tie at the top: the lower index wins
       l[a] = l[b] = top;
       const int rows = V > 10000 ? 16 : 512;
+      const float tiny_t = std::numeric_limits<float>::denorm_min();  // 1 / T overflows: greedy
       for (const SampleParams& p : {SampleParams{.temperature = 0.f, .top_p = 0.3f, .top_k = 5, .seed = 1},
                                     SampleParams{.temperature = 0.7f, .top_p = 1.f, .top_k = 1, .seed = 2},
                                     SampleParams{.temperature = 50.f, .top_p = 0.5f, .top_k = 1, .seed = 3},
-                                    SampleParams{.temperature = 1e-40f, .top_p = 1.f, .top_k = 0, .seed = 4}}) {
+                                    SampleParams{.temperature = tiny_t, .top_p = 1.f, .top_k = 0, .seed = 4}}) {
         CAPTURE(p.temperature);
         for (int t : draw(l, rows, p, 17)) REQUIRE(t == a);
       }
@@ -867,11 +875,7 @@ TEST_CASE("sampling engine: eager and graph decode give the same sampled tokens 
   for (int batch : {1, 2, 8}) {
     CAPTURE(batch);
     const auto prompts = prompts_of(batch, 5, 3, 0, V);
-    std::vector<float> le, lg;
-    const auto eager = generate(e, prompts, 12, false, &le);
-    const auto graph = generate(e, prompts, 12, true, &lg);
-    CHECK(eager == graph);
-    CHECK(differing(le, lg) == 0);
+    const auto graph = check_eager_is_graph(e, prompts);
     CHECK(generate(greedy, prompts, 12, true) != graph);  // it does sample
   }
   CHECK(e.graph_stats().captures == 3);

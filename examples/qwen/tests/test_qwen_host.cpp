@@ -214,7 +214,8 @@ TEST_CASE("sampling parameters are checked with clear messages") {
   CHECK(error_of([] { SampleParams{}.validate(); }).empty());  // greedy
   CHECK(error_of([] { SampleParams{.temperature = 0.8f, .top_p = 0.95f, .top_k = 40, .seed = 7}.validate(); }).empty());
   CHECK(error_of([] { SampleParams{.temperature = 1.f, .top_p = 1.f, .top_k = 0}.validate(); }).empty());
-  CHECK(contains(error_of([] { SampleParams{.temperature = -1.f}.validate(); }), "temperature must be finite and >= 0"));
+  CHECK(contains(error_of([] { SampleParams{.temperature = -1.f}.validate(); }),
+                 "temperature must be finite and >= 0"));
   CHECK(contains(error_of([] { SampleParams{.temperature = std::numeric_limits<float>::quiet_NaN()}.validate(); }),
                  "temperature"));
   CHECK(contains(error_of([] { SampleParams{.temperature = std::numeric_limits<float>::infinity()}.validate(); }),
