@@ -1,6 +1,7 @@
 // examples/qwen/model.cu: the Engine: weights, the buffer arena, the paged KV pool, the decode step,
 // prefill, and eager / graph decode through replay::step_runner.
 #include "model.hpp"
+#include "sample.cuh"
 
 #include <common/device.hpp>
 
@@ -81,6 +82,9 @@ struct Engine::Impl {
   replay::step_meta_array<RowStep> row_meta;       // [max_rows]
   replay::step_meta_array<std::int32_t> table_meta;  // [(max_seqs + 1) * width]
   RowMeta meta;
+  // The sampler's parameters (EngineOptions::sampling), pushed when set_sampling changes them.
+  std::optional<replay::step_meta<SampleParams>> sample_meta;
+  SampleParams sample_params;
 
   // Every other buffer, carved from one arena: fixed addresses for the engine's lifetime.
   replay::static_arena arena;
@@ -105,7 +109,7 @@ struct Engine::Impl {
     const bf16* k_norm = nullptr;
   };
   std::vector<Layer> layers;
-  Linear head;  // final norm + lm_head + argmax
+  Linear head;  // final norm + lm_head + argmax (sampling: + logits, then the sampler)
 
   /// What a bucket runs: each projection's GEMV plan (none: cuBLAS) and attention's plan.
   struct BucketPlan {
@@ -143,6 +147,10 @@ struct Engine::Impl {
     make_weight_maps(head);
     alloc_kv(static_cast<int>(nb));
     alloc_buffers();
+    if (opt.sampling) {
+      sample_meta.emplace(sample_params);
+      sample_meta->push(stream);
+    }
     build_layers();
     launch_rope_table(rope, opt.max_context, cfg.head_dim, cfg.rope_theta, stream);
     push_block_table();
@@ -222,7 +230,8 @@ struct Engine::Impl {
     embed = base + embed_at;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     head = {.W = base + head_at, .N = cfg.vocab_size, .K = cfg.hidden_size,
-            .in = {.norm_w = base + norm_at, .eps = eps}, .mode = gemv_out::argmax};
+            .in = {.norm_w = base + norm_at, .eps = eps},
+            .mode = opt.sampling ? gemv_out::store_f32 : gemv_out::argmax};
     for (int i = 0; i < cfg.num_hidden_layers; ++i) {
       const auto& o = lay[i];
       Layer l;
@@ -338,7 +347,16 @@ struct Engine::Impl {
       linear(w.gate_up, rows, p.gate_up, s);  // post-attention RMSNorm folded in; SiLU(gate) * up
       linear(w.down, rows, p.down, s);      // + residual
     }
-    linear(head, rows, p.head, s);  // final RMSNorm folded in; logits and argmax
+    lm_head(head, rows, p.head, meta.rows, s);  // final RMSNorm folded in
+  }
+
+  /// The lm_head on `rows` rows and the choice of each row's token, as a packed key in `keys`: the
+  /// GEMV's argmax epilogue, or (sampling) the logits and then the sampler, which reads the row's
+  /// position from `row_meta` (the rows' step metadata) and its parameters from sample_meta.
+  void lm_head(const Linear& h, int rows, const std::optional<GemvPlan>& plan, const RowStep* row_meta,
+               replay::stream_ref s) {
+    linear(h, rows, plan, s);
+    if (opt.sampling) launch_sample(logits, cfg.vocab_size, row_meta, sample_meta->device(), rows, keys, s);
   }
 
   /// One prefill chunk of `rows` positions of one sequence (cuBLAS path); K/V written first, since
@@ -518,8 +536,21 @@ GraphStats Engine::graph_stats() const {
 std::size_t Engine::weight_bytes() const { return impl_->weights.size_bytes(); }
 std::size_t Engine::kv_pool_bytes() const { return impl_->kv_pool.size_bytes(); }
 std::size_t Engine::buffer_bytes() const {
-  return impl_->arena.capacity() + impl_->row_meta.span().size_bytes() + impl_->table_meta.span().size_bytes();
+  return impl_->arena.capacity() + impl_->row_meta.span().size_bytes() + impl_->table_meta.span().size_bytes() +
+         (impl_->sample_meta ? sizeof(SampleParams) : 0);
 }
+
+void Engine::set_sampling(const SampleParams& p) {
+  auto& m = *impl_;
+  p.validate();
+  if (!m.opt.sampling && p.temperature != 0.f)
+    throw input_error("sampling with a temperature above 0 needs an engine built with EngineOptions::sampling on");
+  if (p == m.sample_params) return;
+  m.sample_params = p;
+  if (m.sample_meta) m.sample_meta->push(m.stream, p);  // ordered before the next step's launches
+}
+
+const SampleParams& Engine::sampling() const { return impl_->sample_params; }
 
 int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<float> logits) {
   auto& m = *impl_;
@@ -546,10 +577,10 @@ int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<
     m.prefill_chunk(c, m.stream);
     last = c - 1;
   }
-  // The head on the last prompt row only.
+  // The head on the last prompt row only (the sampler reads that row's position).
   Linear head = m.head;
   head.in.x_f32 = m.residual + std::size_t(last) * m.cfg.hidden_size;
-  m.linear(head, 1, std::nullopt, m.stream);
+  m.lm_head(head, 1, std::nullopt, m.meta.rows + last, m.stream);
   REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys, sizeof(unsigned long long), cudaMemcpyDeviceToHost,
                                m.stream.get()));
   if (!logits.empty())

@@ -5,6 +5,11 @@
 //   embed -> L x [ QKV GEMV (input RMSNorm folded in) -> attention (q/k norm, RoPE, paged KV write
 //                  and read) -> O GEMV + residual -> gate/up GEMV (RMSNorm folded in) + SiLU*up
 //                  -> down GEMV + residual ] -> lm_head GEMV (final RMSNorm folded in) + argmax
+// With EngineOptions::sampling on, the lm_head writes the logits and a sampler (sample.cu) picks each
+// row's token instead of the argmax: greedy at temperature 0, else a draw from softmax(logits / T)
+// restricted to top-k then top-p. Its parameters (set_sampling) are step metadata, and its random
+// numbers a function of (seed, position, token), so graphs, buckets and the device loop all give
+// the tokens eager decode gives, and changing the parameters captures nothing.
 // Buckets of up to EngineOptions::gemv_max_rows rows run the fused GEMV (batch 1 on the CUDA cores;
 // 2 to 16 rows on the tensor cores where x leaves room for its ring); the other projections of
 // those buckets, larger buckets and prefill run cuBLAS GEMMs with separate RMSNorm / SiLU*up /
@@ -85,7 +90,8 @@ class Engine {
   [[nodiscard]] int bucket_for(int rows) const;
 
   /// Prefills `tokens` at positions [start, start + n) of `slot` (whose blocks must already back
-  /// them), eagerly, in chunks. Returns the greedy next token after the last one; writes that row's
+  /// them), eagerly, in chunks. Returns the next token after the last one (greedy, or sampled with
+  /// the sampling parameters); writes that row's
   /// logits (vocab floats) to `logits` when non-empty.
   int prefill(int slot, std::span<const int> tokens, int start, std::span<float> logits = {});
 
@@ -94,6 +100,14 @@ class Engine {
   /// eagerly when eager_fallback is on and throws input_error otherwise. Writes the next token of each row to
   /// `next`, and the rows' logits (rows x vocab) to `logits` when non-empty.
   void decode(std::span<const DecodeRow> rows, bool use_graph, std::span<int> next, std::span<float> logits = {});
+
+  /// Sets the sampling parameters used by prefill, decode and decode_loop from the next call on. They
+  /// are copied to the device only when they change, and read there by the sampler, so no graph is
+  /// recaptured. Throws input_error for invalid values (SampleParams::validate), and for a
+  /// temperature above 0 on an engine built with EngineOptions::sampling off (which decodes greedily).
+  void set_sampling(const SampleParams& p);
+  /// The sampling parameters in force (default: greedy).
+  [[nodiscard]] const SampleParams& sampling() const;
 
   /// Captures (and uploads) the graph of every bucket now, largest first
   /// (replay::step_runner::prewarm_buckets). Returns how many were captured.

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@ struct EngineOptions {
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
   int gemv_max_rows = 16;                    ///< largest bucket on the fused GEMV (0, 1, 2, 4, 8, 16); larger: cuBLAS
   int attn_min_chunk = 128;                  ///< split-KV attention: positions per block at least (multiple of 64)
+  bool sampling = false;                     ///< the lm_head writes logits and a sampler picks the token; off: argmax
 
   /// KV blocks the budget buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
@@ -55,6 +57,27 @@ struct EngineOptions {
     if (nb > (1ll << 30))
       throw input_error(fmt::format("KV memory budget of {:.0f} MiB buys {} blocks; at most 2^30 are supported",
                                     kv_budget_bytes / 1048576.0, nb));
+  }
+};
+
+/// How the sampler picks each token (EngineOptions::sampling): from softmax(logits / temperature)
+/// restricted to the top_k largest logits, then to the smallest set of those whose probability mass
+/// is at least top_p; the draw is a pure function of (seed, position generated, token id).
+struct SampleParams {
+  float temperature = 0.f;  ///< 0: greedy (the largest logit, ties to the lowest token id)
+  float top_p = 1.f;        ///< nucleus mass in (0, 1]; 1: no nucleus cut
+  int top_k = 0;            ///< largest logits kept; 0: all
+  std::uint32_t seed = 0;   ///< random stream of the draws
+
+  bool operator==(const SampleParams&) const = default;
+
+  /// Throws input_error unless the values are usable.
+  void validate() const {
+    if (!std::isfinite(temperature) || temperature < 0.f)
+      throw input_error(fmt::format("sampling temperature must be finite and >= 0 (0: greedy), got {}", temperature));
+    if (!(top_p > 0.f && top_p <= 1.f))
+      throw input_error(fmt::format("sampling top_p must be in (0, 1], got {}", top_p));
+    if (top_k < 0) throw input_error(fmt::format("sampling top_k must be >= 0 (0: no limit), got {}", top_k));
   }
 };
 

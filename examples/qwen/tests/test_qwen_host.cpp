@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,24 @@ TEST_CASE("request checks happen before GPU work") {
   CHECK(error_of([&] { o.validate(c); }).empty());
   o.kv_budget_bytes = std::size_t(1) << 62;  // a huge budget: the error gives a sane block count
   CHECK(contains(error_of([&] { o.validate(c); }), "at most 2^30 are supported"));
+}
+
+TEST_CASE("sampling parameters are checked with clear messages") {
+  CHECK(error_of([] { SampleParams{}.validate(); }).empty());  // greedy
+  CHECK(error_of([] { SampleParams{.temperature = 0.8f, .top_p = 0.95f, .top_k = 40, .seed = 7}.validate(); }).empty());
+  CHECK(error_of([] { SampleParams{.temperature = 1.f, .top_p = 1.f, .top_k = 0}.validate(); }).empty());
+  CHECK(contains(error_of([] { SampleParams{.temperature = -1.f}.validate(); }),
+                 "temperature must be finite and >= 0"));
+  CHECK(contains(error_of([] { SampleParams{.temperature = std::numeric_limits<float>::quiet_NaN()}.validate(); }),
+                 "temperature"));
+  CHECK(contains(error_of([] { SampleParams{.temperature = std::numeric_limits<float>::infinity()}.validate(); }),
+                 "temperature"));
+  CHECK(contains(error_of([] { SampleParams{.top_p = 0.f}.validate(); }), "top_p must be in (0, 1]"));
+  CHECK(contains(error_of([] { SampleParams{.top_p = 1.01f}.validate(); }), "top_p must be in (0, 1]"));
+  CHECK(contains(error_of([] { SampleParams{.top_p = std::numeric_limits<float>::quiet_NaN()}.validate(); }),
+                 "top_p"));
+  CHECK(contains(error_of([] { SampleParams{.top_k = -2}.validate(); }), "top_k must be >= 0"));
+  CHECK_FALSE(EngineOptions{}.sampling);  // off unless asked for: the fused argmax
 }
 
 TEST_CASE("weights are checked against the config") {
