@@ -28,6 +28,7 @@ constexpr std::size_t hidden = 4096;     // Qwen3-8B hidden size
 constexpr std::size_t max_rows = 32;
 constexpr int ops = 256;                 // all-reduces per rank per timed iteration
 constexpr int graph_n = 16;              // all-reduces in the "graph of N"
+constexpr int iterations = 40;           // timed iterations (each `ops` all-reduces) per repetition
 
 enum class mode { eager, graph1, graph_n };
 
@@ -226,8 +227,8 @@ void BM_allreduce(benchmark::State& state, mode m) {
 
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_allreduce, eager, mode::eager)->Arg(1)->Arg(8)->Arg(32)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_allreduce, graph1, mode::graph1)->Arg(1)->Arg(8)->Arg(32)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_allreduce, graph16, mode::graph_n)->Arg(1)->Arg(8)->Arg(32)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_allreduce, eager, mode::eager)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_allreduce, graph1, mode::graph1)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_allreduce, graph16, mode::graph_n)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) { return replay_bench::main(argc, argv); }

@@ -189,7 +189,11 @@ std::vector<run_result> run_steps(std::vector<rank_ctx>& ranks, std::array<std::
         {.rank = ctx.rank,
          .buckets = replay::bucket_policy::powers_of_two(max_rows),
          .agree_batch = true,
-         .warn = [&ctx](std::string_view m) { ctx.warnings.emplace_back(m); },
+         .warn =
+             [&ctx](std::string_view m) {
+               std::fprintf(stderr, "rank %d warning: %.*s\n", ctx.rank, static_cast<int>(m.size()), m.data());
+               ctx.warnings.emplace_back(m);
+             },
          .use_graphs = use_graphs});
     for (int step = 0; step < steps; ++step) {
       const replay::batch_plan p = runner.plan(rows[static_cast<std::size_t>(ctx.rank)]);
