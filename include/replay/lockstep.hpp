@@ -122,18 +122,20 @@ class basic_lockstep_runner {
   /// Local only (no agreement yet): the first run/run_batch/prewarm/plan is the first collective.
   basic_lockstep_runner(step_function step, rank_min_function agree, lockstep_options options = {},
                         Backend backend = Backend{})
-      : step_(std::move(step)),
-        agree_(std::move(agree)),
-        buckets_(std::move(options.buckets)),
+      : agree_(std::move(agree)),
         agree_batch_(options.agree_batch),
         rank_(options.rank),
-        warn_(std::move(options.warn)),
-        pool_(options.pool, std::move(backend)) {
-    if (!step_) throw usage_error("replay::lockstep_runner: the step function is empty");
+        warn_(options.warn),
+        local_(std::move(step),
+               runner_options{.pool = options.pool,
+                              .buckets = std::move(options.buckets),
+                              .fallback = fallback_scope::runner,
+                              .oversize = oversize_policy::eager,
+                              .warn = options.warn,
+                              .use_graphs = options.use_graphs},
+               std::move(backend)) {
     if (!agree_) throw usage_error("replay::lockstep_runner: the agreement function is empty");
-    detail::warn_unrecognised_graphs_env(warn_);
-    if (!graphs_env().enabled) off_ = off_reason::kill_switch;
-    else if (!options.use_graphs) off_ = off_reason::option;
+    if (!local_.graphs_enabled()) off_ = off_reason::local;
   }
 
   /// Collective (with agree_batch): the batch and bucket for this rank's `n` requested rows. Every
@@ -148,7 +150,7 @@ class basic_lockstep_runner {
         throw usage_error(fmt::format("replay::lockstep_runner::plan: a batch of {} rows", n));
       rows = static_cast<std::size_t>(-agree_(-static_cast<std::int64_t>(n)));
     }
-    return {rows, buckets_.pad(rows).value_or(0), n};
+    return {rows, buckets().pad(rows).value_or(0), n};
   }
 
   /// Collective: runs the planned batch with `make_key(bucket)` (or, oversize, eagerly with
@@ -174,10 +176,10 @@ class basic_lockstep_runner {
     if (off_ != off_reason::none) [[unlikely]]
       return eager(key, s, rows, off_ == off_reason::failure ? step_path::eager_fallback
                                                              : step_path::eager_disabled);
-    if (pool_.contains(key)) [[likely]]
-      return pool_.run(key, s, step_, rows);  // a replay failure propagates: see the header
+    if (pool().contains(key)) [[likely]]
+      return pool().run(key, s, local_.step(), rows);  // a replay failure propagates: see the header
     if (!install(key, s)) return eager(key, s, rows, step_path::eager_fallback);
-    pool_.run(key, s, step_, rows);
+    pool().run(key, s, local_.step(), rows);
     return step_path::captured;
   }
 
@@ -186,39 +188,25 @@ class basic_lockstep_runner {
   template <class MakeKey>
   std::size_t prewarm_buckets(stream_type s, MakeKey&& make_key) {
     std::vector<Key> keys;
-    keys.reserve(buckets_.count());
-    for (const std::size_t b : buckets_.sizes()) keys.push_back(make_key(b));
+    keys.reserve(buckets().count());
+    for (const std::size_t b : buckets().sizes()) keys.push_back(make_key(b));
     return prewarm(keys, s);
   }
   /// Collective: captures the given keys up front (largest first by key_size).
   std::size_t prewarm(std::span<const Key> keys, stream_type s) {
     settle();
     std::size_t captured = 0;
-    for (const Key* k : pool_.prewarm_order(keys)) {
+    for (const Key* k : pool().prewarm_order(keys)) {
       if (off_ != off_reason::none) break;
       if (install(*k, s)) ++captured;
     }
     return captured;
   }
 
-  /// Runs the step eagerly on this rank only, counted as `why`. Not collective: every rank must
-  /// make the same call.
+  /// Runs the step eagerly on this rank only, counted as `why` (an eager step_path). Not
+  /// collective: every rank must make the same call.
   step_path eager(const Key& key, stream_type s, batch_rows rows, step_path why) {
-    {
-      const nvtx_range range(why == step_path::eager_fallback   ? "eager fallback"
-                             : why == step_path::eager_oversize ? "eager oversize"
-                                                                : "eager disabled",
-                             key);
-      step_(s, key);
-    }
-    switch (why) {
-      case step_path::eager_disabled: ++eager_.eager_disabled; break;
-      case step_path::eager_fallback: ++eager_.eager_fallbacks; break;
-      case step_path::eager_oversize: ++eager_.eager_oversize; break;
-      default: throw usage_error("replay::lockstep_runner::eager: the reason must be an eager step_path");
-    }
-    detail::add_rows(eager_, rows);
-    return why;
+    return local_.eager(key, s, rows, why);
   }
 
   /// Graphs are on for the group (as far as this rank knows: before the first collective call only
@@ -227,22 +215,14 @@ class basic_lockstep_runner {
   /// True once the first collective call agreed on the kill switch and options.
   [[nodiscard]] bool settled() const noexcept { return settled_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] const bucket_policy& buckets() const noexcept { return buckets_; }
-  [[nodiscard]] pool_type& pool() noexcept { return pool_; }
-  [[nodiscard]] const pool_type& pool() const noexcept { return pool_; }
-  /// The pool's statistics with this runner's eager runs added.
-  [[nodiscard]] pool_stats stats() const {
-    pool_stats st = pool_.stats();
-    st.eager_disabled += eager_.eager_disabled;
-    st.eager_fallbacks += eager_.eager_fallbacks;
-    st.eager_oversize += eager_.eager_oversize;
-    st.real_rows += eager_.real_rows;
-    st.padded_rows += eager_.padded_rows;
-    return st;
-  }
+  [[nodiscard]] const bucket_policy& buckets() const noexcept { return local_.buckets(); }
+  [[nodiscard]] pool_type& pool() noexcept { return local_.pool(); }
+  [[nodiscard]] const pool_type& pool() const noexcept { return local_.pool(); }
+  /// The pool's statistics with this rank's eager runs added.
+  [[nodiscard]] pool_stats stats() const { return local_.stats(); }
 
  private:
-  enum class off_reason : std::uint8_t { none, kill_switch, option, peer, failure };
+  enum class off_reason : std::uint8_t { none, local, peer, failure };
 
   // The first collective point: graphs stay on only if they are on for every rank.
   void settle() {
@@ -264,18 +244,18 @@ class basic_lockstep_runner {
     std::exception_ptr error;
     std::string what;
     try {
-      pool_.ensure(key, s, step_);
+      pool().ensure(key, s, local_.step());
     } catch (const usage_error&) {
       local = detail::lockstep_step_failed;
       error = std::current_exception();
     } catch (const std::exception& e) {
-      const pool_phase phase = pool_.last_failure();
+      const pool_phase phase = pool().last_failure();
       local = (phase == pool_phase::warmup || phase == pool_phase::none) ? detail::lockstep_step_failed
                                                                           : detail::lockstep_graph_failed;
       error = std::current_exception();
       what = e.what();
     } catch (...) {
-      const pool_phase phase = pool_.last_failure();
+      const pool_phase phase = pool().last_failure();
       local = (phase == pool_phase::warmup || phase == pool_phase::none) ? detail::lockstep_step_failed
                                                                           : detail::lockstep_graph_failed;
       error = std::current_exception();
@@ -291,13 +271,13 @@ class basic_lockstep_runner {
           rank_, describe_key(key)));
     }
     // Some rank could not capture: everyone drops its graphs and runs eagerly from now on.
-    pool_.backend().clear_error();
-    pool_.clear();
+    pool().backend().clear_error();
+    pool().clear();
     off_ = off_reason::failure;
     if (local == detail::lockstep_graph_failed)
       warn(fmt::format("rank {}: CUDA graph {} failed for key {}: {}; every rank now runs eagerly "
                        "(the step was not lost)",
-                       rank_, to_string(pool_.last_failure()), describe_key(key), what));
+                       rank_, to_string(pool().last_failure()), describe_key(key), what));
     else
       warn(fmt::format("rank {}: another rank failed to capture key {}; every rank now runs "
                        "eagerly (the step was not lost)",
@@ -309,16 +289,15 @@ class basic_lockstep_runner {
     if (warn_) warn_(msg); else stderr_warning_sink(msg);
   }
 
-  step_function step_;
   rank_min_function agree_;
-  bucket_policy buckets_;
   bool agree_batch_;
   int rank_;
   warning_sink warn_;
-  pool_type pool_;
+  // This rank's step, pool, bucket policy, kill switch and eager counters; its own fallback is
+  // never used (graph failures are handled here, across ranks).
+  basic_step_runner<Key, Backend, Hash> local_;
   off_reason off_ = off_reason::none;
   bool settled_ = false;
-  pool_counters eager_{};
 };
 
 /// The CUDA lockstep runner.

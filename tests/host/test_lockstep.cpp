@@ -99,13 +99,17 @@ runner_t make_runner(rank_state& r, min_barrier& agree, replay::lockstep_options
 }
 
 /// Runs `body(rank, runner)` on one thread per rank; exceptions are kept per rank.
+/// `per_rank` may change a rank's options (e.g. use_graphs on one rank only).
 void run_ranks(std::vector<rank_state>& ranks, min_barrier& agree, const replay::lockstep_options& opt,
-               const std::function<void(rank_state&, runner_t&)>& body) {
+               const std::function<void(rank_state&, runner_t&)>& body,
+               const std::function<void(int, replay::lockstep_options&)>& per_rank = {}) {
   std::vector<std::thread> threads;
   for (auto& r : ranks)
-    threads.emplace_back([&r, &agree, &opt, &body] {
+    threads.emplace_back([&r, &agree, &opt, &body, &per_rank] {
       try {
-        runner_t runner = make_runner(r, agree, opt);
+        replay::lockstep_options o = opt;
+        if (per_rank) per_rank(r.rank, o);
+        runner_t runner = make_runner(r, agree, std::move(o));
         body(r, runner);
       } catch (...) {
         r.error = std::current_exception();
@@ -220,18 +224,12 @@ TEST_CASE("lockstep: graphs off on one rank (use_graphs or the kill switch) are 
     replay_test::env_guard env(nullptr);
     auto ranks = make_ranks(2);
     min_barrier agree(2);
-    std::vector<std::thread> threads;
-    for (auto& r : ranks)
-      threads.emplace_back([&r, &agree] {
-        try {
-          runner_t run = make_runner(r, agree, {.buckets = replay::bucket_policy::powers_of_two(8),
-                                                .use_graphs = r.rank != 1});
+    run_ranks(
+        ranks, agree, {.buckets = replay::bucket_policy::powers_of_two(8)},
+        [&](rank_state& r, runner_t& run) {
           for (int i = 0; i < 2; ++i) r.paths.push_back(run.run_batch(std::size_t{2}, 0, key_for));
-        } catch (...) {
-          r.error = std::current_exception();
-        }
-      });
-    for (auto& t : threads) t.join();
+        },
+        [](int rank, replay::lockstep_options& o) { o.use_graphs = rank != 1; });
     for (auto& r : ranks) {
       REQUIRE_FALSE(r.error);
       CHECK(r.paths == std::vector<step_path>(2, step_path::eager_disabled));
