@@ -105,7 +105,7 @@ namespace detail {
                    std::move(context), current_capture_state(), where);
 }
 
-/// The device a stream belongs to.
+/// The device a stream belongs to. Not while the calling thread captures (CUDA refuses it then).
 inline int stream_device(cudaStream_t s) {
 #if CUDART_VERSION >= 12080
   int device = -1;
@@ -356,10 +356,6 @@ inline void check_collective(const nccl_comm_ref& comm, cudaStream_t s, const ch
   if (s == nullptr)
     throw usage_error(fmt::format("replay::{}: the legacy default stream (0) cannot be captured and "
                                   "serialises every device; pass a replay::stream", what));
-  const int sdev = stream_device(s);
-  if (sdev != comm.device())
-    throw usage_error(fmt::format("replay::{}: the stream belongs to device {}, the communicator "
-                                  "(rank {}) to device {}", what, sdev, comm.rank(), comm.device()));
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   REPLAY_CHECK(cudaStreamIsCapturing(s, &status));
   if (status == cudaStreamCaptureStatusInvalidated)
@@ -370,6 +366,16 @@ inline void check_collective(const nccl_comm_ref& comm, cudaStream_t s, const ch
         "replay::{}: this thread is capturing another stream, but the collective goes to an "
         "uncaptured stream: it would run once now while the other ranks run theirs at every "
         "replay; issue it to the capturing stream (or a stream forked into the capture)", what));
+  // cudaStreamGetDevice is not permitted while capturing (it would invalidate the capture): then
+  // the current device stands in for the stream's.
+  const bool capturing = status != cudaStreamCaptureStatusNone;
+  int sdev = -1;
+  if (capturing) REPLAY_CHECK(cudaGetDevice(&sdev));
+  else sdev = stream_device(s);
+  if (sdev != comm.device())
+    throw usage_error(fmt::format("replay::{}: the {} belongs to device {}, the communicator (rank "
+                                  "{}) to device {}", what, capturing ? "current device while capturing" : "stream",
+                                  sdev, comm.rank(), comm.device()));
 }
 
 }  // namespace detail
