@@ -3,7 +3,8 @@
 // amortise the graph launch). Rows of the Qwen3-8B hidden size (4096 bf16 = 8 KiB per row): batch
 // 1, 8 and 32. One host thread per GPU (the process model replay's lockstep runner is built for);
 // rank 0's thread times, every thread issues `ops` all-reduces per timed iteration and waits for
-// its stream, and the reported time is wall time per all-reduce (launch, transfer, completion).
+// its stream, and the reported time is wall time per all-reduce (launch, transfer, completion):
+// back to back (throughput), or waiting for each one (latency, the *_latency rows).
 // The result of the last all-reduce is checked exactly on every rank (bf16-exact integers).
 // Skipped with fewer than two GPUs. Use --benchmark_repetitions for medians.
 #include "common.hpp"
@@ -168,7 +169,7 @@ std::size_t count_wrong(tp_setup& tp, int r, std::size_t count) {
   return wrong;
 }
 
-void BM_allreduce(benchmark::State& state, mode m) {
+void BM_allreduce(benchmark::State& state, mode m, bool sync_each) {
   if (replay_bench::skip_without_device(state)) return;
   tp_setup& tp = tp_setup::get();
   if (tp.world < 2) return state.SkipWithError("needs at least 2 GPUs");
@@ -195,10 +196,15 @@ void BM_allreduce(benchmark::State& state, mode m) {
   const auto body = [&](int r) {
     const replay::stream_ref s = tp.streams[rk(r)];
     if (m == mode::eager) {
-      for (int i = 0; i < ops; ++i)
+      for (int i = 0; i < ops; ++i) {
         replay::all_reduce(tp.comms[rk(r)], tp.send[rk(r)].data(), tp.recv[rk(r)].data(), count, ncclSum, s);
+        if (sync_each) s.synchronize();
+      }
     } else {
-      for (int i = 0; i < ops / per_graph; ++i) execs[rk(r)].launch(s);
+      for (int i = 0; i < ops / per_graph; ++i) {
+        execs[rk(r)].launch(s);
+        if (sync_each) s.synchronize();
+      }
     }
     s.synchronize();
   };
@@ -227,8 +233,13 @@ void BM_allreduce(benchmark::State& state, mode m) {
 
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_allreduce, eager, mode::eager)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_allreduce, graph1, mode::graph1)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_allreduce, graph16, mode::graph_n)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+// Throughput: `ops` all-reduces back to back, then one wait (launches overlap the transfers).
+BENCHMARK_CAPTURE(BM_allreduce, eager, mode::eager, false)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_allreduce, graph1, mode::graph1, false)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_allreduce, graph16, mode::graph_n, false)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+// Latency: each all-reduce (or graph of one) waited for before the next, as a step that needs the
+// sum before its next launch.
+BENCHMARK_CAPTURE(BM_allreduce, eager_latency, mode::eager, true)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_allreduce, graph1_latency, mode::graph1, true)->Arg(1)->Arg(8)->Arg(32)->Iterations(iterations)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) { return replay_bench::main(argc, argv); }
