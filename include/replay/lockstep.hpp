@@ -32,6 +32,9 @@
 // rethrown on its rank for the same reason: the other ranks are already inside their graphs.
 // usage_error always propagates.
 //
+// Statistics (`stats()`): a graph captured by run() counts as prewarmed (captured on every rank
+// before the agreement) and its first replay as a hit; eager runs count as in step_runner.
+//
 // Guarantees: the hit path is the graph pool's (no agreement, no allocation, no host sync). Not
 // thread-safe: one thread drives one rank's runner; the ranks' threads run concurrently. The
 // agreement function must be collective and must not throw on one rank only. Move-constructible.
