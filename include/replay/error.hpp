@@ -52,6 +52,17 @@ class cuda_error : public std::runtime_error {
   /// True when the call failed while this thread was capturing a stream.
   [[nodiscard]] bool during_capture() const noexcept { return capture_ != capture_state::none; }
 
+ protected:
+  /// For errors of libraries that run on CUDA (NCCL): the message is already formatted; `code` is
+  /// the CUDA error behind it, or cudaErrorUnknown when the library's own result has none.
+  cuda_error(std::string message, cudaError_t code, std::string api, capture_state capture,
+             std::source_location where)
+      : std::runtime_error(std::move(message)),
+        code_(code),
+        api_(std::move(api)),
+        capture_(capture),
+        where_(where) {}
+
  private:
   cudaError_t code_;
   std::string api_;

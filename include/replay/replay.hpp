@@ -25,4 +25,8 @@
 #include <replay/graph_summary.hpp>
 #include <replay/inspect.hpp>
 #include <replay/audit.hpp>
+#include <replay/lockstep.hpp>
+#if defined(REPLAY_HAS_NCCL)  // targets that link replay::nccl
+#  include <replay/nccl.hpp>
+#endif
 // replay/capture_watch.hpp (CUPTI) is included on its own: it is opt-in diagnostics.
