@@ -9,9 +9,9 @@
 #             CTest, compute-sanitizer memcheck of every gpu-labelled test (two passes: memory errors
 #             only, then API errors too, leaving out the suite "expected_cuda_errors"), racecheck of
 #             the PDL chain test, the launch_overhead demo
-#   nanogpt   the NanoGPT CLI: default run (eager, graph and device loop compared), --dump-graph, racecheck of the device
-#             loop with a stop token, --bench (per-token table), parity against PyTorch (when torch
-#             is installed)
+#   nanogpt   the NanoGPT CLI: default run (eager, graph and device loop compared), --dump-graph,
+#             racecheck of the device loop with a stop token, --bench (per-token table), parity
+#             against PyTorch (when torch is installed)
 #   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on reduced cases, parity.py
 #             against transformers (when installed), --bench for the 0.6B and 4B shapes
 #   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
