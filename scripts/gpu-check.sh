@@ -34,7 +34,7 @@ fi
 if ! command -v nvcc >/dev/null 2>&1; then
   for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break; done
 fi
-command -v nvcc >/dev/null 2>&1 || { echo "error: nvcc not found; install the CUDA Toolkit (12.4+) first" >&2; exit 1; }
+command -v nvcc >/dev/null 2>&1 || { echo "error: nvcc not found: install the CUDA Toolkit (12.4+)" >&2; exit 1; }
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu}
 steps=${STEPS:-128}

@@ -21,8 +21,8 @@
 //
 // Per-step values (token, position, sequence length, sampling settings) are read from StepMeta
 // through a pointer, never passed by value: a graph captured once replays correctly at any
-// position. Prefill (eager, prefill.cu) is a separate set of kernels, one block per prompt token and
-// one kernel per operation, built from the same device functions (device.cuh).
+// position. Prefill (eager, prefill.cu) is a separate set of kernels, one block per prompt token
+// and one kernel per operation, built from the same device functions (device.cuh).
 #include "device.cuh"
 
 #include <replay/error.hpp>

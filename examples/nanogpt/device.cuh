@@ -200,7 +200,8 @@ __device__ __forceinline__ void weighted_sums(float p0, float p1, const KvRows& 
 /// softmax's up to rounding; outside it (a score beyond about ±41) the head is recomputed shifted by
 /// the maximum score, as PyTorch's softmax. The exponential and the reciprocal are the hardware's
 /// (MUFU: within a few ulp, a third of the cycles of expf and of an IEEE division on this chain;
-/// docs/perf-notes.md, NanoGPT decode). Same inputs, same branch: eager and graph stay bit-identical.
+/// docs/perf-notes.md, NanoGPT decode). Same inputs, same branch: eager and graph stay
+/// bit-identical.
 __device__ __forceinline__ Head8 attend_head(Head8 q, const KvRows& kv, int last, float extra_score, Head8 extra_v) {
   const int lane = lane_id();
   constexpr float scale = 0.35355339059327373f;  // head_size ** -0.5

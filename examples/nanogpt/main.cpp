@@ -1,10 +1,10 @@
 // nanogpt: generate Shakespeare-like text with the seed's 4-layer character model, eagerly and by
 // CUDA graph replay, and reproduce the seed's benchmark tables (--bench).
 //
-//   nanogpt                                   default prompt, 40 tokens: eager, per-step graph and the
+//   nanogpt                                   default prompt, 40 tokens: eager, per-step graph and
 //                                             device loop (16 decode steps per launch), compared
 //   nanogpt -p "ROMEO:" -n 50 --mode graph    one mode
-//   nanogpt --mode graph --tokens-per-launch 8   the graph and the device loop at 8 steps per launch
+//   nanogpt --mode graph --tokens-per-launch 8   graph and device loop (8 steps per launch)
 //   nanogpt --bench [--json]                  the seed's tables (named configurations + sweep)
 //   nanogpt --parity-dump out.json -p TEXT    logits for parity.py (PyTorch comparison)
 //
@@ -67,7 +67,7 @@ struct Options {
   bool no_pdl = false;
   std::string meta = "device";
   int tokens_per_launch = 16;  // the device loop's decode steps per graph launch
-  bool loop = false;           // run the device loop: --mode both (the default), or --tokens-per-launch given
+  bool loop = false;           // run the device loop: --mode both, or --tokens-per-launch given
   std::string stop;           // one character ends the generation (empty: none)
   std::string parity_dump;
   int prefill_len = 0;
@@ -117,13 +117,15 @@ void print_per_token(const std::vector<Mode>& modes, const std::vector<nanogpt::
     rows.emplace_back(modes[i] == Mode::eager ? "eager, one launch per step" : "graph, one replay per step",
                       us_per_token(results[i]));
   if (looped != nullptr)
-    rows.emplace_back(fmt::format("device loop, up to {} steps per launch", tokens_per_launch), us_per_token(*looped));
+    rows.emplace_back(fmt::format("device loop, up to {} steps per launch", tokens_per_launch),
+                      us_per_token(*looped));
   if (rows.size() < 2 || rows.back().second <= 0) return;
   const bool eager = modes.front() == Mode::eager;
   replay_examples::table t({"path", "µs per token", eager ? "vs eager" : "vs graph"});
-  for (const auto& [name, us] : rows) t.add_row({name, fmt::format("{:.2f}", us), fmt::format("{:.2f}x", rows[0].second / us)});
-  fmt::print("\ndecode time per token ({} decode steps each, host wall clock):\n{}", results.front().tokens.size() - 1,
-             t.markdown());
+  for (const auto& [name, us] : rows)
+    t.add_row({name, fmt::format("{:.2f}", us), fmt::format("{:.2f}x", rows[0].second / us)});
+  fmt::print("\ndecode time per token ({} decode steps each, host wall clock):\n{}",
+             results.front().tokens.size() - 1, t.markdown());
 }
 
 int run_generate(Model& model, const Options& o, const std::vector<std::int32_t>& prompt,

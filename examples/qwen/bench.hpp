@@ -1,5 +1,5 @@
-// examples/qwen/bench.hpp: the `qwen --bench` benchmark: batch-1 TPOT per mode and of the device loop
-// against two floors measured in the same process (the bytes floor: the step's weights at the
+// examples/qwen/bench.hpp: the `qwen --bench` benchmark: batch-1 TPOT per mode and of the device
+// loop against two floors measured in the same process (the bytes floor: the step's weights at the
 // device-to-device copy rate; the chain floor: a graph of one streaming-read kernel per matrix),
 // batch 1 after a long prompt, and batched throughput per bucket. Prints markdown tables and fills
 // the "bench" object of the CLI's JSON.
@@ -17,7 +17,7 @@ namespace qwen {
 
 /// What the benchmark runs (the CLI's --bench flags, checked by its prepare()).
 struct BenchOptions {
-  std::vector<int> prompt;         ///< the batch-1 prompt; batched rows get random prompts of its length
+  std::vector<int> prompt;         ///< batch-1 prompt; batched rows get random prompts of its length
   std::uint64_t seed = 0;          ///< seed of the random prompts
   int steps = 128;                 ///< decode steps timed per measurement
   int long_prompt = 4096;          ///< prompt tokens of the long-context measurement (0: skip it)

@@ -166,7 +166,9 @@ void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream
 void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s);
 
 /// Decodes a packed argmax key into the token id (host and device).
-__host__ __device__ inline int key_to_token(unsigned long long key) { return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu)); }
+__host__ __device__ inline int key_to_token(unsigned long long key) {
+  return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu));
+}
 
 // ---- the device loop (ops.cu) ------------------------------------------------------------------------
 

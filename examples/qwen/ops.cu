@@ -1,6 +1,6 @@
 // examples/qwen/ops.cu: the small kernels: random initialisation, the RoPE table, the embedding
-// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the end of
-// a step in the device loop.
+// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the end
+// of a step in the device loop.
 #include "kernels.cuh"
 #include "device.cuh"
 

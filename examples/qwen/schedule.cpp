@@ -18,7 +18,8 @@ std::vector<int> random_prompt(int n, int vocab, std::uint64_t seed) {
   return p;
 }
 
-void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceRequest>& seqs, std::vector<int>& join) {
+void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceRequest>& seqs,
+                   std::vector<int>& join) {
   for (int i = 0; i < n; ++i) {
     seqs.push_back({random_prompt(4 + 3 * (i % 7), vocab, seed + 100 + i), 6 + (i * 7) % 23});
     join.push_back(i < 4 ? 0 : 2 * (i - 3));

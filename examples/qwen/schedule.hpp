@@ -15,7 +15,8 @@ std::vector<int> random_prompt(int n, int vocab, std::uint64_t seed);
 
 /// The staggered demo: `n` sequences of different prompt and output lengths (random prompts from
 /// `seed`) appended to `seqs`, joining at different steps (appended to `join`).
-void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceRequest>& seqs, std::vector<int>& join);
+void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceRequest>& seqs,
+                   std::vector<int>& join);
 
 /// Result of running a set of sequences to completion.
 struct RunResult {
@@ -27,9 +28,9 @@ struct RunResult {
   double decode_s = 0;                   ///< total decode wall time
 };
 
-/// Runs `seqs` to completion: sequence i joins at step join[i] (prefilled then), decodes one token per
-/// step with the others, and leaves (freeing its blocks) when it has generated its tokens. `verbose`
-/// prints when sequences join and leave and when the bucket changes.
+/// Runs `seqs` to completion: sequence i joins at step join[i] (prefilled then), decodes one token
+/// per step with the others, and leaves (freeing its blocks) when it has generated its tokens.
+/// `verbose` prints when sequences join and leave and when the bucket changes.
 RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
                        bool graph, bool verbose);
 
