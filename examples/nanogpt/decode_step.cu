@@ -1,4 +1,4 @@
-// nanogpt/decode_step.cu: the decode step's kernel, its weight image and its launcher.
+// nanogpt/decode_step.cu: the decode step's kernel and its launcher.
 //
 // A decode step (one token, B = 1) is one kernel, decode_step_kernel, one block of 128 threads:
 //
@@ -28,14 +28,6 @@
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
-#include <fmt/format.h>
-
-#include <algorithm>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-
 namespace nanogpt::detail {
 namespace {
 
@@ -44,16 +36,17 @@ namespace {
 // the whole step in one block of 128 threads: the residual row lives in shared memory between
 // sublayers (a barrier instead of a handoff), and every weight of the model is in shared memory.
 //
-// The weights reach shared memory as a StageImage: the Model prepares it once on the host (below,
-// make_stage_image) in exactly the layout the kernel reads, and every step copies it with 9 bulk
-// copies (cp.async.bulk, the Tensor Memory Accelerator), one per sublayer in the order the
-// sublayers use them, each completing on its own mbarrier. A sublayer waits only for its own copy,
+// The weights reach shared memory as a StageImage: the Model prepares it once on the host
+// (make_stage_image, model.cu) in exactly the layout the kernel reads, and every step copies it
+// with 9 bulk copies (cp.async.bulk, the Tensor Memory Accelerator), one per sublayer in the order
+// the sublayers use them, each completing on its own mbarrier. A sublayer waits only for its own copy,
 // so the copies of later layers overlap the computation of earlier ones; when the kernel is
 // launched early by PDL (the device loop's chained steps) they all complete before its wait
 // returns. The image holds each LayerNorm folded into the linear layer after it (its scale γ into
 // the weight rows, its shift β into a per-row constant), and its matrices with 16-byte chunk c of
 // row r at chunk c ^ (r & 7): the 8 threads of a quarter-warp read 8 different rows at the same
-// The image's layout (StageImage, StepShared) is in kernels.cuh, since the Model allocates it.
+// column, which this places in 8 different bank groups (no shared-memory bank conflicts). The
+// image's layout (StageImage, StepShared) is in kernels.cuh, since the Model allocates it.
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -237,57 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const StageIma
 
 }  // namespace
 
-std::unique_ptr<StageImage> make_stage_image(const Weights& w) {
-  auto img = std::make_unique<StageImage>();
-  std::memset(img.get(), 0, sizeof(StageImage));
-  const auto t = [&](const std::string& name) { return w.tensor(name); };
-  // Rows of `m` ([rows][cols], cols = 4 * chunks) scaled by gamma (if any), swizzled; the per-row
-  // constants sum_j m[r][j] * beta[j] + bias[r] into c (if any).
-  const auto put = [](float4* dst, int chunks, std::span<const float> m, int rows, std::span<const float> gamma,
-                      std::span<const float> beta, std::span<const float> bias, float* c) {
-    const int cols = 4 * chunks;
-    for (int r = 0; r < rows; ++r) {
-      double acc = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(r)];
-      float row[C::ffn_hidden];
-      for (int j = 0; j < cols; ++j) {
-        const float v = m[static_cast<std::size_t>(r * cols + j)];
-        row[j] = gamma.empty() ? v : v * gamma[static_cast<std::size_t>(j)];
-        if (!beta.empty()) acc += static_cast<double>(v) * beta[static_cast<std::size_t>(j)];
-      }
-      for (int q = 0; q < chunks; ++q)
-        dst[r * chunks + (q ^ (r & 7))] = make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
-      if (c != nullptr) c[r] = static_cast<float>(acc);
-    }
-  };
-  const std::span<const float> none;
-  std::copy_n(t("token_embedding_table.weight").data(), C::vocab_size * C::n_embd, &img->tok_emb[0][0]);
-  std::copy_n(t("position_embedding_table.weight").data(), C::block_size * C::n_embd, &img->pos_emb[0][0]);
-  for (int l = 0; l < C::n_layer; ++l) {
-    const auto n = [&](std::string_view leaf) { return t(fmt::format("blocks.{}.{}", l, leaf)); };
-    AttnStage& a = img->layer[l].attn;
-    put(&a.qkv[0][0], C::n_embd / 4, n("sa.qkv.weight"), 3 * C::n_embd, n("ln1.weight"), n("ln1.bias"), none, a.qkv_c);
-    put(&a.proj[0][0], C::n_embd / 4, n("sa.attn_proj.weight"), C::n_embd, none, none, none, nullptr);
-    std::copy_n(n("sa.attn_proj.bias").data(), C::n_embd, a.proj_b);
-    FfnStage& f = img->layer[l].ffn;
-    put(&f.fc1[0][0], C::n_embd / 4, n("ffwd.net.0.weight"), C::ffn_hidden, n("ln2.weight"), n("ln2.bias"),
-        n("ffwd.net.0.bias"), f.fc1_c);
-    put(&f.fc2[0][0], C::ffn_hidden / 4, n("ffwd.net.2.weight"), C::n_embd, none, none, none, nullptr);
-    std::copy_n(n("ffwd.net.2.bias").data(), C::n_embd, f.fc2_b);
-  }
-  put(&img->head.w[0][0], C::n_embd / 4, t("lm_head.weight"), C::vocab_size, t("ln_f.weight"), t("ln_f.bias"),
-      t("lm_head.bias"), img->head.c);
-  return img;
-}
-
-void prepare_decode_step() {
-  // The decode step keeps the model's weights in shared memory (decode_step_kernel).
-  int device = 0, shared_optin = 0;
-  REPLAY_CHECK(cudaGetDevice(&device));
-  REPLAY_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (static_cast<std::size_t>(shared_optin) < kStepSharedBytes)
-    throw no_device_error(fmt::format("the decode step needs {} bytes of shared memory per block; this device "
-                                      "allows {} (an sm_90 GPU allows 232448)",
-                                      kStepSharedBytes, shared_optin));
+void set_decode_step_attributes() {
   REPLAY_CHECK(cudaFuncSetAttribute(decode_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kStepSharedBytes)));
 }

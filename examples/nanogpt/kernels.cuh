@@ -3,7 +3,7 @@
 // shared-memory layout, and the launchers. Internal to the example (namespace nanogpt::detail).
 #pragma once
 
-#include "model.hpp"
+#include "config.hpp"
 
 #include <replay/device_loop.hpp>
 #include <replay/launch.hpp>
@@ -12,7 +12,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <source_location>
 
 namespace nanogpt::detail {
@@ -142,13 +141,9 @@ inline replay::launch_config kernel_config(cudaStream_t s, int rows, int threads
           .shared_bytes = shared_bytes, .stream = replay::stream_ref(s), .pdl = pdl, .where = where};
 }
 
-/// The StageImage of `w` (host side, once per Model): LayerNorms folded into the linear layer
-/// after them (in double), matrices swizzled as decode_step_kernel reads them. (decode_step.cu)
-std::unique_ptr<StageImage> make_stage_image(const Weights& w);
-
-/// Lets the decode step's kernel use kStepSharedBytes of shared memory on the current device
-/// (once per Model); throws no_device_error where a block may not use that much. (decode_step.cu)
-void prepare_decode_step();
+/// Lets the decode step's kernel use kStepSharedBytes of dynamic shared memory (once per Model, on a
+/// device whose blocks may use that much). (decode_step.cu)
+void set_decode_step_attributes();
 
 /// One decode step: one kernel of one block, what eager mode launches and graph mode captures.
 /// `loop` not null: the device loop's step, which appends its token there. `pdl`: launched with

@@ -1,8 +1,9 @@
 // nanogpt/model.cu: the Model (model.hpp): it owns the weights, the decode step's weight image,
 // the activations and the static KV cache (one frozen arena), the step metadata, the pinned token
 // slot and the graphs; it issues prefill, eager and graph steps and the device loop, and keeps the
-// host's prediction of the metadata the device holds. generate() and generate_looped() drive it.
-// The kernels are in decode_step.cu and prefill.cu.
+// host's prediction of the metadata the device holds; and the decode step's weight image, built
+// here on the host. generate() and generate_looped() drive the Model. The kernels are in
+// decode_step.cu and prefill.cu.
 #include "model.hpp"
 
 #include "kernels.cuh"
@@ -16,7 +17,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <span>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 #include <utility>
 
 namespace nanogpt {
@@ -45,6 +50,50 @@ struct Launcher {
   /// Prefill of `rows` prompt tokens (eager only).
   void prefill(cudaStream_t s, int rows) const { launch_prefill(p, meta, b, rows, opt.pdl, s); }
 };
+
+/// The StageImage of `w` (host side, once per Model): LayerNorms folded into the linear layer
+/// after them (in double), matrices swizzled as decode_step_kernel reads them.
+std::unique_ptr<StageImage> make_stage_image(const Weights& w) {
+  auto img = std::make_unique<StageImage>();
+  std::memset(img.get(), 0, sizeof(StageImage));
+  const auto t = [&](const std::string& name) { return w.tensor(name); };
+  // Rows of `m` ([rows][cols], cols = 4 * chunks) scaled by gamma (if any), swizzled; the per-row
+  // constants sum_j m[r][j] * beta[j] + bias[r] into c (if any).
+  const auto put = [](float4* dst, int chunks, std::span<const float> m, int rows, std::span<const float> gamma,
+                      std::span<const float> beta, std::span<const float> bias, float* c) {
+    const int cols = 4 * chunks;
+    for (int r = 0; r < rows; ++r) {
+      double acc = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(r)];
+      float row[C::ffn_hidden];
+      for (int j = 0; j < cols; ++j) {
+        const float v = m[static_cast<std::size_t>(r * cols + j)];
+        row[j] = gamma.empty() ? v : v * gamma[static_cast<std::size_t>(j)];
+        if (!beta.empty()) acc += static_cast<double>(v) * beta[static_cast<std::size_t>(j)];
+      }
+      for (int q = 0; q < chunks; ++q)
+        dst[r * chunks + (q ^ (r & 7))] = make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+      if (c != nullptr) c[r] = static_cast<float>(acc);
+    }
+  };
+  const std::span<const float> none;
+  std::copy_n(t("token_embedding_table.weight").data(), C::vocab_size * C::n_embd, &img->tok_emb[0][0]);
+  std::copy_n(t("position_embedding_table.weight").data(), C::block_size * C::n_embd, &img->pos_emb[0][0]);
+  for (int l = 0; l < C::n_layer; ++l) {
+    const auto n = [&](std::string_view leaf) { return t(fmt::format("blocks.{}.{}", l, leaf)); };
+    AttnStage& a = img->layer[l].attn;
+    put(&a.qkv[0][0], C::n_embd / 4, n("sa.qkv.weight"), 3 * C::n_embd, n("ln1.weight"), n("ln1.bias"), none, a.qkv_c);
+    put(&a.proj[0][0], C::n_embd / 4, n("sa.attn_proj.weight"), C::n_embd, none, none, none, nullptr);
+    std::copy_n(n("sa.attn_proj.bias").data(), C::n_embd, a.proj_b);
+    FfnStage& f = img->layer[l].ffn;
+    put(&f.fc1[0][0], C::n_embd / 4, n("ffwd.net.0.weight"), C::ffn_hidden, n("ln2.weight"), n("ln2.bias"),
+        n("ffwd.net.0.bias"), f.fc1_c);
+    put(&f.fc2[0][0], C::ffn_hidden / 4, n("ffwd.net.2.weight"), C::n_embd, none, none, none, nullptr);
+    std::copy_n(n("ffwd.net.2.bias").data(), C::n_embd, f.fc2_b);
+  }
+  put(&img->head.w[0][0], C::n_embd / 4, t("lm_head.weight"), C::vocab_size, t("ln_f.weight"), t("ln_f.bias"),
+      t("lm_head.bias"), img->head.c);
+  return img;
+}
 
 }  // namespace
 
@@ -97,7 +146,15 @@ struct Model::Impl {
         prompt(C::block_size),
         token_out(1),
         loop(static_cast<std::size_t>(C::block_size)) {
-    prepare_decode_step();  // the step's kernel keeps the model's weights in shared memory
+    // The decode step keeps the model's weights in shared memory (decode_step_kernel).
+    int device = 0, shared_optin = 0;
+    REPLAY_CHECK(cudaGetDevice(&device));
+    REPLAY_CHECK(cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (static_cast<std::size_t>(shared_optin) < kStepSharedBytes)
+      throw no_device_error(fmt::format("the decode step needs {} bytes of shared memory per block; this device "
+                                        "allows {} (an sm_90 GPU allows 232448)",
+                                        kStepSharedBytes, shared_optin));
+    set_decode_step_attributes();
     if (w.data.size() != packed_size())
       throw std::invalid_argument(fmt::format("nanogpt::Model: weights hold {} floats, expected {}",
                                               w.data.size(), packed_size()));
