@@ -24,7 +24,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -83,8 +82,7 @@ inline void add_device_context() {
   benchmark::AddCustomContext("l2_bytes", std::to_string(p.l2CacheSize));
   benchmark::AddCustomContext("driver_cuda", cuda_version_string(driver));
   // The driver's release number (e.g. 580.65.06) is not in the runtime API; run.sh passes it in
-  // from nvidia-smi through this variable.
-  if (const char* rel = std::getenv("REPLAY_BENCH_DRIVER")) benchmark::AddCustomContext("driver", rel);
+  // from nvidia-smi as --benchmark_context=driver=<release>.
 }
 
 /// Google Benchmark's main with the device context. Use: `int main(int c, char** v) { return

@@ -23,9 +23,9 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
   echo "benchmarks/run.sh: no NVIDIA GPU found; the benchmarks measure kernel launches and need one." >&2
   exit 2
 fi
-# The driver release for the report's stamp (the CUDA runtime API only gives the CUDA version).
-REPLAY_BENCH_DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
-export REPLAY_BENCH_DRIVER
+# The driver release for the report's stamp (the CUDA runtime API only gives the CUDA version),
+# passed to every program as benchmark context.
+driver_release=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 
 # Debian packages (skipped where CMake finds them elsewhere, e.g. the unpacked .deps of the GPU machine).
@@ -69,7 +69,8 @@ for p in "${progs[@]}"; do
     *) r=${OTHER_REPS:-3}; m=${OTHER_MIN_TIME:-0.01} ;;
   esac
   args=(--benchmark_repetitions="$r" --benchmark_report_aggregates_only=true --benchmark_min_time="$m"
-        --benchmark_out="$out" --benchmark_out_format=json --benchmark_counters_tabular=true)
+        --benchmark_out="$out" --benchmark_out_format=json --benchmark_counters_tabular=true
+        --benchmark_context=driver="$driver_release")
   [ -n "${FILTER:-}" ] && args+=(--benchmark_filter="$FILTER")
   echo "== $p"
   t0=$(date +%s)

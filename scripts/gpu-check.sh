@@ -1,27 +1,40 @@
 #!/usr/bin/env bash
-# The GPU check, run on a machine with an NVIDIA GPU from the repo root (see docs/guide.md; with the
-# unpacked Debian packages of ../shared/device: `source .deps/tools/env.sh` first):
+# The GPU check, run on a machine with an NVIDIA GPU from the repo root (see docs/guide.md), after
+# scripts/install-deps.sh has installed the Debian packages:
 #   bash scripts/gpu-check.sh [stage ...]        (default stages: core nanogpt qwen)
+# On a machine without package access, the packages may instead be unpacked under .deps (with an
+# environment script at .deps/tools/env.sh): it is sourced when present, or DEPS_ENV names another.
 # Stages:
 #   core      configure and build everything (library checks, tests, all examples, benchmarks), run
 #             CTest, compute-sanitizer memcheck of every gpu-labelled test (two passes: memory errors
 #             only, then API errors too, leaving out the suite "expected_cuda_errors"), racecheck of
 #             the PDL chain test, the launch_overhead demo
-#   nanogpt   the NanoGPT CLI: default run with the device loop, --dump-graph, racecheck of the device
-#             loop with a stop token, --bench (per-token table), parity against PyTorch (when torch
-#             is installed)
+#   nanogpt   the NanoGPT CLI: default run (eager, graph and device loop compared), --dump-graph,
+#             racecheck of the device loop with a stop token, --bench (per-token table), parity
+#             against PyTorch (when torch is installed)
 #   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on reduced cases, parity.py
 #             against transformers (when installed), --bench for the 0.6B and 4B shapes
 #   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
 #   suite     every benchmark program through benchmarks/run.sh (JSON only)
-#   research  builds research/ (-DREPLAY_BUILD_RESEARCH=ON), runs its GPU test and the "graph of
-#             kernels vs persistent kernel" rows
 #   asan      the AddressSanitizer + UndefinedBehaviorSanitizer build (CMake preset "asan"): host
 #             tests, the CLIs' bad-input tests, the hostile-input corpus and the fuzz corpus replays
-# Settings: OUT (logs, default ./out), BUILD_DIR (build-gpu), STEPS (decode steps per Qwen bench, 128),
-# MEMCHECK_TIMEOUT (seconds per sanitizer run, 300), TARGETS (build only these CMake targets, e.g.
-# "qwen qwen_gpu" for the qwen stage; default: everything). summary.txt in $OUT collects the result lines.
+# Settings: OUT (logs, default ./out), BUILD_DIR (build-gpu), DEPS_ENV (a script pointing CMake and
+# the loader at unpacked packages; default .deps/tools/env.sh where it exists), STEPS (decode steps
+# per Qwen bench, 128), MEMCHECK_TIMEOUT (seconds per sanitizer run, 300), TARGETS (build only these
+# CMake targets, e.g. "qwen qwen_gpu" for the qwen stage; default: everything). summary.txt in $OUT
+# collects the result lines.
 set -uo pipefail
+deps_env=${DEPS_ENV:-.deps/tools/env.sh}
+if [ -f "$deps_env" ]; then
+  # shellcheck source=/dev/null
+  source "$deps_env"
+elif [ -n "${DEPS_ENV:-}" ]; then
+  echo "error: DEPS_ENV=$DEPS_ENV does not exist" >&2; exit 1
+fi
+if ! command -v nvcc >/dev/null 2>&1; then
+  for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break; done
+fi
+command -v nvcc >/dev/null 2>&1 || { echo "error: nvcc not found: install the CUDA Toolkit (12.4+)" >&2; exit 1; }
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu}
 steps=${STEPS:-128}
@@ -32,11 +45,10 @@ has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; 
 mc_timeout=${MEMCHECK_TIMEOUT:-300}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$sum"
-research=OFF; has research && research=ON
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DREPLAY_BUILD_RESEARCH=$research >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+  >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 t0=$SECONDS
-cmake --build "$build" -j16 ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+cmake --build "$build" -j"$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 say "build: $((SECONDS - t0)) s"
 ng="$build/examples/nanogpt/nanogpt"
 qw="$build/examples/qwen/qwen"
@@ -68,8 +80,9 @@ for t in json.load(sys.stdin)["tests"]:
 fi
 
 if has nanogpt; then
-  "$ng" --tokens-per-launch 16 --dump-graph "$out/nanogpt-graph.json" >"$out/nanogpt-run.log" 2>&1
-  say "nanogpt default run: rc=$?"; tail -3 "$out/nanogpt-run.log" | tee -a "$sum"
+  "$ng" --dump-graph "$out/nanogpt-graph.json" >"$out/nanogpt-run.log" 2>&1  # eager, graph, device loop K = 16
+  say "nanogpt default run: rc=$?"
+  sed -n '/tokens identical/,$p' "$out/nanogpt-run.log" | tee -a "$sum"
   # racecheck of the device loop (PDL on, the default) with a stop token inside a launch
   timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report all --print-limit 20 "$ng" \
     --tokens-per-launch 16 --stop e -n 40 --mode both >"$out/racecheck-nanogpt-loop.log" 2>&1
@@ -135,18 +148,7 @@ if has suite; then
   say "benchmark suite: rc=$? (JSON in $out/bench; then on any machine: python3 benchmarks/report.py $out/bench/*.json)"
 fi
 
-if has research; then
-  rb="$build/research/qwen"
-  timeout 300 "$rb/qwen_research_gpu" 2>&1 | tail -3 | tee -a "$sum"
-  for p in qwen3-0.6b qwen3-4b; do
-    for k in mega ring; do
-      "$rb/qwen_research" --preset "$p" --bench --gen "$steps" --kernels "$k" --bench-batches 1 --mode graph 2>&1 |
-        grep -E "TPOT|^\| graph|floor" | sed "s/^/[research $p $k] /" | tee -a "$sum"
-    done
-  done
-fi
-
 if has asan; then
-  { cmake --preset asan && cmake --build --preset asan -j16 && ctest --preset asan -j16; } >"$out/asan.log" 2>&1
+  { cmake --preset asan && cmake --build --preset asan -j"$(nproc)" && ctest --preset asan -j"$(nproc)"; } >"$out/asan.log" 2>&1
   say "asan: rc=$?"; grep -E "tests passed|tests failed" "$out/asan.log" | tee -a "$sum"
 fi

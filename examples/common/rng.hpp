@@ -12,13 +12,9 @@
 // Guarantees: deterministic, bit-identical on host and device; uniform01 never returns 1.0f.
 #pragma once
 
-#include <cstdint>
+#include "host_device.hpp"
 
-#if defined(__CUDACC__)
-#define REPLAY_EXAMPLES_HD __host__ __device__ __forceinline__
-#else
-#define REPLAY_EXAMPLES_HD inline
-#endif
+#include <cstdint>
 
 namespace replay_examples {
 

@@ -5,6 +5,8 @@
 // (compile-time constants), so a weights file of another shape is rejected when it is loaded.
 #pragma once
 
+#include "common/host_device.hpp"
+
 #include <cstdint>
 #include <type_traits>
 
@@ -40,6 +42,18 @@ struct alignas(16) StepMeta {
   std::uint64_t seed = 1337;    ///< RNG seed: the draw for the token at index i is uniform01(seed, i)
 };
 static_assert(std::is_trivially_copyable_v<StepMeta> && sizeof(StepMeta) == 32);
+
+/// The metadata after `steps` decode steps from `m` whose last sampled `token`: that token, at the
+/// index it was sampled for (m.seq_len + steps - 1), the sampling settings unchanged. The one rule
+/// for the next step's metadata: the sampler applies it on the device (MetaPath::device, the
+/// device loop) and the host applies it to know what the device then holds. A prefill's metadata
+/// (seq_len = prompt length) follows it too.
+REPLAY_EXAMPLES_HD StepMeta next_step_meta(StepMeta m, std::int32_t token, std::int32_t steps = 1) {
+  m.token = token;
+  m.pos = m.seq_len + steps - 1;
+  m.seq_len = m.seq_len + steps;
+  return m;
+}
 
 /// Sampling settings of one generation (copied into StepMeta for every step).
 struct Sampling {

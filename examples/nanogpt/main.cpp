@@ -1,9 +1,10 @@
 // nanogpt: generate Shakespeare-like text with the seed's 4-layer character model, eagerly and by
 // CUDA graph replay, and reproduce the seed's benchmark tables (--bench).
 //
-//   nanogpt                                   default prompt, 40 tokens, eager and graph, compared
+//   nanogpt                                   default prompt, 40 tokens: eager, per-step graph and
+//                                             device loop (16 decode steps per launch), compared
 //   nanogpt -p "ROMEO:" -n 50 --mode graph    one mode
-//   nanogpt --tokens-per-launch 16            also the device loop: 16 decode steps per graph launch
+//   nanogpt --mode graph --tokens-per-launch 8   graph and device loop (8 steps per launch)
 //   nanogpt --bench [--json]                  the seed's tables (named configurations + sweep)
 //   nanogpt --parity-dump out.json -p TEXT    logits for parity.py (PyTorch comparison)
 //
@@ -65,7 +66,8 @@ struct Options {
   bool json_out = false;
   bool no_pdl = false;
   std::string meta = "device";
-  int tokens_per_launch = 0;  // 0: no device-loop run
+  int tokens_per_launch = 16;  // the device loop's decode steps per graph launch
+  bool loop = false;           // run the device loop: --mode both, or --tokens-per-launch given
   std::string stop;           // one character ends the generation (empty: none)
   std::string parity_dump;
   int prefill_len = 0;
@@ -103,6 +105,29 @@ json run_json(const nanogpt::GenerateResult& r, const std::vector<std::int32_t>&
           {"steps", st.count}};
 }
 
+/// Decode time per token of each path that ran (host wall clock over all its decode steps, as
+/// --bench measures it), each against eager when eager ran.
+void print_per_token(const std::vector<Mode>& modes, const std::vector<nanogpt::GenerateResult>& results,
+                     const nanogpt::GenerateResult* looped, int tokens_per_launch) {
+  const auto us_per_token = [](const nanogpt::GenerateResult& r) {
+    return r.tokens.size() > 1 ? r.decode_us / static_cast<double>(r.tokens.size() - 1) : 0.0;
+  };
+  std::vector<std::pair<std::string, double>> rows;
+  for (std::size_t i = 0; i < modes.size(); ++i)
+    rows.emplace_back(modes[i] == Mode::eager ? "eager, one launch per step" : "graph, one replay per step",
+                      us_per_token(results[i]));
+  if (looped != nullptr)
+    rows.emplace_back(fmt::format("device loop, up to {} steps per launch", tokens_per_launch),
+                      us_per_token(*looped));
+  if (rows.size() < 2 || rows.back().second <= 0) return;
+  const bool eager = modes.front() == Mode::eager;
+  replay_examples::table t({"path", "µs per token", eager ? "vs eager" : "vs graph"});
+  for (const auto& [name, us] : rows)
+    t.add_row({name, fmt::format("{:.2f}", us), fmt::format("{:.2f}x", rows[0].second / us)});
+  fmt::print("\ndecode time per token ({} decode steps each, host wall clock):\n{}",
+             results.front().tokens.size() - 1, t.markdown());
+}
+
 int run_generate(Model& model, const Options& o, const std::vector<std::int32_t>& prompt,
                  const nanogpt::Sampling& sampling, json& out) {
   std::vector<Mode> modes;
@@ -112,7 +137,7 @@ int run_generate(Model& model, const Options& o, const std::vector<std::int32_t>
   std::vector<nanogpt::GenerateResult> results;
   for (Mode m : modes) results.push_back(nanogpt::generate(model, prompt, o.tokens, m, sampling, true, stop));
   std::optional<nanogpt::GenerateResult> looped;
-  if (o.tokens_per_launch > 0) {
+  if (o.loop) {
     looped = nanogpt::generate_looped(model, prompt, o.tokens, o.tokens_per_launch, sampling, true, stop);
     out["runs"]["loop"] = run_json(*looped, prompt);
     out["runs"]["loop"]["tokens_per_launch"] = o.tokens_per_launch;
@@ -149,10 +174,7 @@ int run_generate(Model& model, const Options& o, const std::vector<std::int32_t>
     }
     if (results.size() + (looped ? 1 : 0) >= 2)
       fmt::print("{} tokens identical: {}\n", looped ? "all runs'" : "eager and graph", identical ? "yes" : "NO");
-    if (results.size() == 2) {
-      const double e = stat_median(results[0].step_us), g = stat_median(results[1].step_us);
-      if (g > 0) fmt::print("median decode step: eager {:.2f} µs, graph {:.2f} µs ({:.2f}x)\n", e, g, e / g);
-    }
+    print_per_token(modes, results, looped ? &*looped : nullptr, o.tokens_per_launch);
   }
   return identical ? 0 : 3;
 }
@@ -477,8 +499,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"push", "graph-copy", "device"}))
       ->capture_default_str();
   app.add_option("--tokens-per-launch", o.tokens_per_launch,
-                 "also decode with the device loop: up to K decode steps per graph launch (a WHILE node), 1 to 64")
-      ->check(CLI::Range(1, Config::block_size));
+                 "the device loop's decode steps per graph launch (a WHILE node), 1 to 64; it runs in --mode both "
+                 "and, when this is given, in any mode")
+      ->check(CLI::Range(1, Config::block_size))
+      ->capture_default_str();
   app.add_option("--stop", o.stop, "a character that ends the generation (after it is generated)")
       ->check([](const std::string& v) { return v.size() == 1 ? std::string() : std::string("one character"); });
   app.add_option("--parity-dump", o.parity_dump, "write prefill + teacher-forced decode logits of the prompt as "
@@ -489,6 +513,7 @@ int main(int argc, char** argv) {
                  "write the decode step's graph (kernels, grids, edges incl. PDL) to PATH: DOT if it ends in .dot, "
                  "else JSON");
   CLI11_PARSE(app, argc, argv);
+  o.loop = o.mode == "both" || app.count("--tokens-per-launch") != 0;
 
   try {
     // ---- host-side checks, before any GPU work --------------------------------------------
@@ -549,7 +574,7 @@ int main(int argc, char** argv) {
                 {"parameters", nanogpt::parameter_count()},
                 {"pdl", !o.no_pdl},
                 {"meta", o.meta},
-                {"tokens_per_launch", o.tokens_per_launch},
+                {"tokens_per_launch", o.loop ? o.tokens_per_launch : 0},
                 {"kernels_per_decode_step", Model::kernels_per_decode_step},
                 {"kernels_per_prefill", Model::kernels_per_prefill}};
     if (!o.json_out) {

@@ -1,4 +1,5 @@
-// nanogpt/model.hpp: the decoder's host API (plain C++; the kernels live in model.cu).
+// nanogpt/model.hpp: the decoder's host API (plain C++; the kernels live in decode_step.cu and
+// prefill.cu, the Model in model.cu).
 //
 // A Model owns everything a decode step touches, allocated once in its constructor: the weights,
 // the decode step's weight image (what its kernel copies into shared memory), the residual-stream
@@ -8,7 +9,7 @@
 // and the device loop's token buffer (replay::token_loop). Nothing is allocated after
 // construction, so every address a captured graph holds stays valid for the Model's lifetime.
 //
-// One decode step = the step metadata on the device → the step's one kernel (model.cu), whose
+// One decode step = the step metadata on the device → the step's one kernel (decode_step.cu), whose
 // sampler writes the token into pinned host memory, where the host picks it up (it polls that
 // memory, and synchronises the stream only if the token is unusually late). The metadata reaches the device in
 // one of three ways (MetaPath): pushed by the host before the step, copied by a node at the start

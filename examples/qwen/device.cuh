@@ -62,13 +62,6 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
   return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
 }
 
-__device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 /// Per-head RMSNorm then rotate-half RoPE of one head (D values), done by one warp. Lane owns dims
 /// lane*E+e (first half) and D/2+lane*E+e (second half), so RoPE pairs stay in the lane. The
 /// parameters (norm weights, RoPE row) are loaded first, the head's values next, then `apply`.

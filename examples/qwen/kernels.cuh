@@ -132,7 +132,6 @@ struct AttnPlan {
   unsigned* arrived = nullptr;  ///< [rows][kv_heads], zero before the first launch (kept zero after each)
 };
 inline constexpr int kMaxAttnSplits = 32;
-inline constexpr int kAttnMinChunk = 128;
 /// Query heads per kv head the attention kernel is compiled for: 1..kMaxGroup.
 inline constexpr int kMaxGroup = 8;
 
@@ -171,18 +170,10 @@ void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream
 /// keys[r] = argmax of logits[r][0..V) packed as (orderable value << 32 | ~index).
 void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s);
 
-/// Decodes a packed argmax key into the token id.
-inline int key_to_token(unsigned long long key) { return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu)); }
-
-// ---- floors of the benchmark (ops.cu) --------------------------------------------------------------
-
-/// Read-bandwidth probe: a kernel that only streams `bytes` from p (16-byte loads, 8 blocks of 256
-/// threads per SM, 4 loads in flight per thread).
-void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s);
-/// One link of the kernel-per-matrix chain floor: the read probe's loop with its first loads issued
-/// before pdl::wait(), as the GEMVs do. bytes = 0: one block that only waits (a kernel without
-/// weights, such as attention).
-void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s);
+/// Decodes a packed argmax key into the token id (host and device).
+__host__ __device__ inline int key_to_token(unsigned long long key) {
+  return static_cast<int>(0xFFFFFFFFu - (key & 0xFFFFFFFFu));
+}
 
 // ---- the device loop (ops.cu) ------------------------------------------------------------------------
 

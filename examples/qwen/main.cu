@@ -8,16 +8,15 @@
 //   qwen --preset tiny --demo                 # sequences join and finish at different steps
 //   qwen --model dir --prompt ... --teacher-force 8 --dump-logits logits.f32
 // Every flag is checked before any GPU work; bad input exits with code 2 and a message naming the flag.
+#include "bench.hpp"
 #include "model.hpp"
+#include "schedule.hpp"
 
 #include <common/device.hpp>
 #include <common/report.hpp>
-#include <common/rng.hpp>
 #include <common/safetensors.hpp>
 #include <common/timing.hpp>
 #include <replay/capture.hpp>
-#include <replay/error.hpp>
-#include <replay/event.hpp>
 #include <replay/inspect.hpp>
 
 #include <CLI/CLI.hpp>
@@ -28,11 +27,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <optional>
-#include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -40,213 +36,6 @@ namespace {
 
 using namespace qwen;
 using json = nlohmann::json;
-
-/// Comma-separated non-negative integers; `flag` names the option in errors.
-std::vector<int> parse_ids(const std::string& s, const char* flag) {
-  if (s.empty()) throw input_error(fmt::format("{}: empty list", flag));
-  std::vector<int> out;
-  std::size_t begin = 0;
-  for (;;) {
-    const std::size_t end = s.find(',', begin);
-    const std::string item = s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-    const std::size_t index = out.size();
-    if (item.empty()) throw input_error(fmt::format("{}: empty entry at position {}", flag, index));
-    if (item.find_first_not_of("0123456789") != std::string::npos)
-      throw input_error(fmt::format("{}: '{}' at position {} is not a non-negative integer", flag, item, index));
-    if (item.size() > 10 || std::stoll(item) > (1ll << 31) - 1)
-      throw input_error(fmt::format("{}: {} at position {} is out of range", flag, item, index));
-    out.push_back(static_cast<int>(std::stoll(item)));
-    if (end == std::string::npos) break;
-    begin = end + 1;
-  }
-  return out;
-}
-
-std::vector<int> random_prompt(int n, int vocab, std::uint64_t seed) {
-  std::vector<int> p(n);
-  for (int i = 0; i < n; ++i) p[i] = static_cast<int>(replay_examples::random_bits(seed, i) % std::uint64_t(vocab));
-  return p;
-}
-
-/// Result of running a set of sequences to completion.
-struct RunResult {
-  std::vector<std::vector<int>> tokens;  ///< generated tokens per sequence
-  std::vector<double> step_us;           ///< host wall time of each decode step (push..read back)
-  std::vector<int> step_rows;            ///< real rows of each decode step
-  std::vector<int> step_bucket;          ///< rows run (bucket) of each decode step
-  double prefill_ms = 0;                 ///< total prefill time
-  double decode_s = 0;                   ///< total decode wall time
-};
-
-/// Runs `seqs` to completion: sequence i joins at step join[i] (prefilled then), decodes one token per
-/// step with the others, and leaves (freeing its blocks) when it has generated its tokens.
-RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
-                       bool graph, bool verbose) {
-  struct State {
-    int slot = -1;
-    int pos = 0;
-    int next = 0;
-    bool done = false;
-  };
-  const int n = static_cast<int>(seqs.size());
-  std::vector<State> st(n);
-  RunResult res;
-  res.tokens.assign(n, {});
-  auto& book = eng.kv();
-  int finished = 0, prev_bucket = -1;
-  for (int step = 0; finished < n; ++step) {
-    for (int i = 0; i < n; ++i) {  // admissions
-      if (st[i].slot >= 0 || st[i].done || join[i] > step) continue;
-      const auto& q = seqs[i];
-      st[i].slot = book.acquire_slot();
-      book.ensure(st[i].slot, static_cast<int>(q.prompt.size()));
-      replay_examples::stopwatch sw;
-      st[i].next = eng.prefill(st[i].slot, q.prompt, 0);
-      res.prefill_ms += sw.elapsed_ms();
-      st[i].pos = static_cast<int>(q.prompt.size());
-      res.tokens[i].push_back(st[i].next);
-      if (verbose) fmt::print("  step {:4}: sequence {} joins (prompt {} tokens, generating {})\n", step, i, q.prompt.size(), q.generate);
-      if (static_cast<int>(res.tokens[i].size()) >= q.generate) {
-        st[i].done = true, ++finished;
-        book.release(st[i].slot);
-        st[i].slot = -1;
-      }
-    }
-    std::vector<DecodeRow> rows;
-    std::vector<int> who;
-    for (int i = 0; i < n; ++i)
-      if (st[i].slot >= 0 && !st[i].done) {
-        book.ensure(st[i].slot, st[i].pos + 1);
-        rows.push_back({st[i].slot, st[i].next, st[i].pos});
-        who.push_back(i);
-      }
-    if (rows.empty()) continue;
-    std::vector<int> next(rows.size());
-    replay_examples::stopwatch sw;
-    eng.decode(rows, graph, next);
-    const double us = sw.elapsed_us();
-    res.step_us.push_back(us);
-    res.decode_s += us * 1e-6;
-    res.step_rows.push_back(static_cast<int>(rows.size()));
-    const int bucket = eng.bucket_for(static_cast<int>(rows.size()));
-    res.step_bucket.push_back(bucket);
-    if (verbose && bucket != prev_bucket)
-      fmt::print("  step {:4}: {} active sequences -> bucket {}\n", step, rows.size(), bucket);
-    prev_bucket = bucket;
-    for (std::size_t k = 0; k < rows.size(); ++k) {
-      const int i = who[k];
-      res.tokens[i].push_back(next[k]);
-      st[i].next = next[k];
-      ++st[i].pos;
-      if (static_cast<int>(res.tokens[i].size()) >= seqs[i].generate) {
-        st[i].done = true, ++finished;
-        book.release(st[i].slot);
-        st[i].slot = -1;
-        if (verbose) fmt::print("  step {:4}: sequence {} finishes ({} tokens)\n", step, i, res.tokens[i].size());
-      }
-    }
-  }
-  return res;
-}
-
-/// Runs one sequence with the device loop: prefill, then one Engine::decode_loop launch per `k`
-/// tokens (fewer for the last). step_us holds each launch's host wall time (push..read back)
-/// divided by the tokens it produced: the time per token.
-RunResult run_looped(Engine& eng, const SequenceRequest& q, int k) {
-  auto& book = eng.kv();
-  RunResult res;
-  res.tokens.assign(1, {});
-  auto& tokens = res.tokens[0];
-  const int slot = book.acquire_slot();
-  book.ensure(slot, static_cast<int>(q.prompt.size()));
-  replay_examples::stopwatch sw;
-  int next = eng.prefill(slot, q.prompt, 0);
-  res.prefill_ms = sw.elapsed_ms();
-  tokens.push_back(next);
-  int pos = static_cast<int>(q.prompt.size());
-  std::vector<int> out(static_cast<std::size_t>(k));
-  while (static_cast<int>(tokens.size()) < q.generate) {
-    const int want = std::min(k, q.generate - static_cast<int>(tokens.size()));
-    sw.restart();
-    const int n = eng.decode_loop(slot, next, pos, want, /*stop_token=*/-1, out);
-    const double us = sw.elapsed_us();
-    res.step_us.push_back(us / n);
-    res.decode_s += us * 1e-6;
-    res.step_rows.push_back(1);
-    res.step_bucket.push_back(1);
-    tokens.insert(tokens.end(), out.begin(), out.begin() + n);
-    next = out[n - 1];
-    pos += n;
-    if (n < want) break;  // the context is full (validate_request rules it out)
-  }
-  book.release(slot);
-  return res;
-}
-
-/// Device-to-device copy bandwidth (bytes read + written per second), measured now.
-double d2d_bandwidth(replay::stream_ref s) {
-  const std::size_t bytes = 1ull << 30;
-  replay::device_buffer<std::byte> a(bytes), b(bytes);
-  REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
-  const double ms = replay_examples::median_gpu_ms(s, 10, [&] {
-    REPLAY_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s.get()));
-  });
-  return 2.0 * bytes / (ms * 1e-3);
-}
-
-/// Read-only streaming bandwidth (bytes read per second) of launch_read_probe over 1 GiB, measured now.
-double read_bandwidth(replay::stream_ref s) {
-  const std::size_t bytes = 1ull << 30;
-  replay::device_buffer<std::byte> a(bytes);
-  replay::device_buffer<unsigned> sink(1);
-  REPLAY_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s.get()));
-  const int sms = replay_examples::sm_count();
-  const double ms = replay_examples::median_gpu_ms(s, 10, [&] { qwen::launch_read_probe(a.data(), bytes, sink.data(), sms, s); });
-  return bytes / (ms * 1e-3);
-}
-
-/// The kernel-per-matrix floor of a batch-1 decode step, in ms of GPU time: one streaming-read kernel
-/// (launch_read_link) per matrix, in the step's order and sizes (per layer QKV, a weightless link
-/// where attention runs, O, gate/up, down; then lm_head), captured once as a graph and replayed;
-/// median of 20 replays. What the step would cost if every kernel only streamed its weights, with
-/// the same launches and PDL handoffs. 0 when the device has no room for a copy of the weights.
-double chain_floor_ms(const qwen::Config& c, replay::stream_ref s) {
-  const auto mats = c.layer_matrices();
-  std::vector<std::size_t> sizes;
-  for (int l = 0; l < c.num_hidden_layers; ++l)
-    for (std::size_t i = 0; i < mats.size(); ++i) {
-      sizes.push_back(mats[i].params() * sizeof(qwen::bf16));
-      if (i == 0) sizes.push_back(0);  // attention runs after the QKV projection
-    }
-  sizes.push_back(std::size_t(c.vocab_size) * c.hidden_size * sizeof(qwen::bf16));
-  std::size_t total = 0;
-  for (std::size_t b : sizes) total += b;
-  std::size_t free_bytes = 0, device_bytes = 0;
-  REPLAY_CHECK(cudaMemGetInfo(&free_bytes, &device_bytes));
-  if (total + (512ull << 20) > free_bytes) return 0.0;
-  replay::device_buffer<std::byte> w(total);
-  replay::device_buffer<unsigned> sink(1);
-  REPLAY_CHECK(cudaMemsetAsync(w.data(), 1, total, s.get()));
-  const int sms = replay_examples::sm_count();
-  const auto exec = replay::capture(s, [&](replay::stream_ref cs) {
-                      std::size_t off = 0;
-                      for (std::size_t b : sizes) {
-                        qwen::launch_read_link(w.data() + off, b, sink.data(), sms, cs);
-                        off += b;
-                      }
-                    }).instantiate({.upload_stream = s.get()});
-  return replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); });
-}
-
-double mib(double b) { return b / 1048576.0; }
-
-/// Padding waste of the bucket policy if batch sizes 1..max are equally likely.
-double uniform_padding_waste(const Engine& e, int max) {
-  double real = 0, run = 0;
-  for (int n = 1; n <= max; ++n) real += n, run += e.bucket_for(n);
-  return 1.0 - real / run;
-}
-
 
 /// The command line: one field per flag, described by its help text in add_flags().
 struct Args {
@@ -300,8 +89,7 @@ struct Setup {
   std::vector<int> prompt;
   std::vector<SequenceRequest> seqs;  ///< the sequences of a generation, demo or parity run
   std::vector<int> join;              ///< the step at which each sequence joins
-  std::vector<int> bench_batches;
-  int steps = 0;                      ///< decode steps per bench
+  BenchOptions bench;                 ///< --bench: what it runs
   std::vector<std::string> modes;     ///< "eager", "graph" or both, in that order
 };
 
@@ -348,8 +136,9 @@ Setup prepare(Args& a, const CLI::App& app) {
     s.cfg = qwen::preset(a.preset);
   }
   const Config& cfg = s.cfg;
-  s.steps = a.bench_steps > 0 ? a.bench_steps : a.gen;
-  if (a.bench && a.long_prompt > 0) a.max_context = std::max(a.max_context, a.long_prompt + s.steps + 2);
+  s.bench.steps = a.bench_steps > 0 ? a.bench_steps : a.gen;
+  s.bench.long_prompt = a.long_prompt;
+  if (a.bench && a.long_prompt > 0) a.max_context = std::max(a.max_context, a.long_prompt + s.bench.steps + 2);
   if (app.count("--max-context") == 0) a.max_context = std::min(a.max_context, cfg.max_position_embeddings);
   if (a.max_context > cfg.max_position_embeddings)
     throw input_error(fmt::format("--max-context {} exceeds the model's max_position_embeddings {}", a.max_context,
@@ -365,20 +154,17 @@ Setup prepare(Args& a, const CLI::App& app) {
   if (!a.prompt.empty()) s.prompt = parse_ids(a.prompt, "--prompt");
   else s.prompt = random_prompt(a.random_prompt > 0 ? static_cast<int>(a.random_prompt) : 8, cfg.vocab_size, s.seed);
   const auto& prompt = s.prompt;
+  s.bench.prompt = s.prompt;
+  s.bench.seed = s.seed;
 
-  if (a.bench) s.bench_batches = parse_ids(a.bench_batches, "--bench-batches");
+  if (a.bench) s.bench.batches = parse_ids(a.bench_batches, "--bench-batches");
   if (a.teacher_force >= 0) {
     if (a.teacher_force < 1 || a.teacher_force > static_cast<int>(prompt.size()))
       throw input_error(
           fmt::format("--teacher-force {} must be in 1..prompt length {}", a.teacher_force, prompt.size()));
     s.seqs.push_back({prompt, 1});
   } else if (a.demo) {
-    // Sequences of different prompt and output lengths joining at different steps.
-    const int n = std::max(a.batch, 12);
-    for (int i = 0; i < n; ++i) {
-      s.seqs.push_back({random_prompt(4 + 3 * (i % 7), cfg.vocab_size, s.seed + 100 + i), 6 + (i * 7) % 23});
-      s.join.push_back(i < 4 ? 0 : 2 * (i - 3));
-    }
+    demo_requests(std::max(a.batch, 12), cfg.vocab_size, s.seed, s.seqs, s.join);
   } else {
     for (int i = 0; i < a.batch; ++i) {
       s.seqs.push_back({i == 0 || !a.prompt.empty()
@@ -389,28 +175,12 @@ Setup prepare(Args& a, const CLI::App& app) {
     }
   }
   opt.max_batch = std::max(64, static_cast<int>(s.seqs.size()));
-  for (int b : s.bench_batches) opt.max_batch = std::max(opt.max_batch, b);
-  if (a.bench && app.count("--kv-mem-mb") == 0) {
-    // The bench's largest request (a full batch of short prompts, or the long prompt) sizes the KV budget.
-    const std::int64_t per_seq = (std::int64_t(prompt.size()) + s.steps + 1 + opt.block_size - 1) / opt.block_size;
-    std::int64_t blocks = 0;
-    for (int b : s.bench_batches) blocks = std::max(blocks, b * per_seq);
-    blocks = std::max(blocks, (std::int64_t(a.long_prompt) + s.steps + 1 + opt.block_size - 1) / opt.block_size);
-    opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
-  }
+  if (a.bench) size_for_bench(cfg, s.bench, /*size_kv=*/app.count("--kv-mem-mb") == 0, opt);
   validate_request(cfg, opt, s.seqs);
-  if (a.bench) {
-    std::vector<SequenceRequest> bseqs;
-    for (int b : s.bench_batches) {
-      if (b < 1 || b > 1024) throw input_error("--bench-batches: batch sizes must be in 1..1024");
-      bseqs.assign(b, SequenceRequest{prompt, s.steps + 1});
-      validate_request(cfg, opt, bseqs);
-    }
-    if (a.long_prompt > 0)
-      validate_request(cfg, opt, {SequenceRequest{std::vector<int>(a.long_prompt, 0), s.steps + 1}});
-  }
+  if (a.bench) validate_bench(cfg, opt, s.bench);
   if (a.mode == "both") s.modes = {"eager", "graph"};
   else s.modes = {a.mode};
+  s.bench.modes = s.modes;
   return s;
 }
 
@@ -420,21 +190,7 @@ Setup prepare(Args& a, const CLI::App& app) {
 int run_parity(Engine& eng, const Args& a, const Setup& s, json& out) {
   const int P = a.teacher_force, n = static_cast<int>(s.prompt.size()), V = s.cfg.vocab_size;
   std::vector<std::vector<float>> per_mode;
-  for (const auto& m : s.modes) {
-    std::vector<float> logits(std::size_t(n - P + 1) * V);
-    auto& book = eng.kv();
-    const int slot = book.acquire_slot();
-    book.ensure(slot, n);
-    (void)eng.prefill(slot, std::span<const int>(s.prompt.data(), P), 0, std::span<float>(logits.data(), V));
-    for (int i = P; i < n; ++i) {
-      DecodeRow row{slot, s.prompt[i], i};
-      int next = 0;
-      eng.decode(std::span<const DecodeRow>(&row, 1), m == "graph", std::span<int>(&next, 1),
-                 std::span<float>(logits.data() + std::size_t(i - P + 1) * V, V));
-    }
-    book.release(slot);
-    per_mode.push_back(std::move(logits));
-  }
+  for (const auto& m : s.modes) per_mode.push_back(teacher_forced_logits(eng, s.prompt, P, m == "graph"));
   int rc = 0;
   if (per_mode.size() == 2) {
     const bool same = per_mode[0] == per_mode[1];
@@ -489,155 +245,12 @@ int run_generation(Engine& eng, const Args& a, const Setup& s, json& out) {
     if (!same) rc = 1;
   }
   if (a.demo) {
-    const auto& r = results.back();
-    long long real = 0, run = 0;
-    std::set<int> bs(r.step_bucket.begin(), r.step_bucket.end());
-    for (std::size_t i = 0; i < r.step_rows.size(); ++i) real += r.step_rows[i], run += r.step_bucket[i];
-    fmt::print("demo: {} steps, buckets used {}, padding waste {:.1f}% ({} padded rows of {})\n", r.step_rows.size(),
-               fmt::join(bs, ","), 100.0 * (run - real) / run, run - real, run);
-    out["demo"] = {{"buckets_used", std::vector<int>(bs.begin(), bs.end())}, {"padding_waste", double(run - real) / run}};
+    const BucketUse u = bucket_use(results.back());
+    fmt::print("demo: {} steps, buckets used {}, padding waste {:.1f}% ({} padded rows of {})\n", u.steps,
+               fmt::join(u.buckets, ","), 100.0 * (u.run - u.real) / u.run, u.run - u.real, u.run);
+    out["demo"] = {{"buckets_used", u.buckets}, {"padding_waste", double(u.run - u.real) / u.run}};
   }
   return rc;
-}
-
-/// The benchmark: batch-1 TPOT per mode and of the device loop against the bytes floor and the
-/// kernel-per-matrix chain floor (both measured now), batch 1 after a long prompt, batched throughput.
-void run_bench(Engine& eng, const Args& a, const Setup& s, const std::string& dev, json& out) {
-  const Config& cfg = s.cfg;
-  const auto& prompt = s.prompt;
-  const int steps = s.steps;
-  const bool graph = std::find(s.modes.begin(), s.modes.end(), "graph") != s.modes.end();
-  if (graph) {
-    replay_examples::stopwatch sw;
-    const std::size_t n = eng.prewarm_graphs();  // every bucket captured up front, largest first
-    fmt::print("prewarm: {} graphs captured in {:.1f} ms\n", n, sw.elapsed_ms());
-  }
-  const double bw = d2d_bandwidth(eng.stream());
-  const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
-  fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps\n", cfg.name, dev, prompt.size(), steps);
-  const double rbw = read_bandwidth(eng.stream());
-  fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
-             mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
-  fmt::print("read-only streaming kernel: {:.0f} GB/s ({:.1f}% of D2D); at that rate the weights take {:.3f} ms\n",
-             rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
-  const double chain_ms = chain_floor_ms(cfg, eng.stream());
-  if (chain_ms > 0)
-    fmt::print("kernel-per-matrix chain floor (a graph of {} streaming-read kernels with this step's matrix sizes, "
-               "PDL): {:.3f} ms\n",
-               5 * cfg.num_hidden_layers + 1, chain_ms);
-  else
-    fmt::print("kernel-per-matrix chain floor: skipped (no device memory for a copy of the weights)\n");
-  replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "% of D2D",
-                            "x bytes floor", "x chain floor"});
-  double tpot_graph_ms = 0;
-  auto add_tpot_row = [&](const std::string& name, const replay_examples::stats& st) {
-    const double tpot = st.median * 1e-6;
-    t.add_row({name, fmt::format("{:.3f}", st.median / 1e3), fmt::format("{:.3f}", st.p10 / 1e3),
-               fmt::format("{:.3f}", st.p90 / 1e3), fmt::format("{:.1f}", 1.0 / tpot),
-               fmt::format("{:.1f}", 100.0 * wbytes / tpot / bw), fmt::format("{:.2f}", tpot / (wbytes / bw)),
-               chain_ms > 0 ? fmt::format("{:.2f}", st.median / 1e3 / chain_ms) : std::string("-")});
-    out["bench"]["batch1"][name] = {{"tpot_ms", st.median / 1e3}, {"p10_ms", st.p10 / 1e3}, {"p90_ms", st.p90 / 1e3},
-                                    {"tokens_per_s", 1.0 / tpot}, {"eff_bw_GBps", wbytes / tpot / 1e9},
-                                    {"pct_d2d", 100.0 * wbytes / tpot / bw}};
-  };
-  for (const auto& m : s.modes) {
-    std::vector<SequenceRequest> one{{prompt, steps + 1}};
-    (void)run_schedule(eng, std::vector<SequenceRequest>{{prompt, 4}}, {0}, m == "graph", false);  // warm-up
-    const auto r = run_schedule(eng, one, {0}, m == "graph", false);
-    const auto st = replay_examples::summarize(r.step_us);
-    if (m == "graph") tpot_graph_ms = st.median / 1e3;
-    add_tpot_row(m, st);
-  }
-  if (tpot_graph_ms > 0) {
-    // The device loop at K = 1 and K = 16 tokens per launch: per token, the host wall time of a
-    // launch (push, launch, read back) over the tokens it produced; `steps` samples each (the same
-    // sequence rerun as often as needed), median.
-    double loop_us[2] = {0, 0};
-    const int ks[2] = {1, 16};
-    for (int i = 0; i < 2; ++i) {
-      (void)run_looped(eng, SequenceRequest{prompt, 4}, ks[i]);  // warm-up (the first captures the loop)
-      std::vector<double> per_token;
-      for (int rep = 0; rep < 64 && per_token.size() < static_cast<std::size_t>(steps); ++rep) {
-        const auto r = run_looped(eng, SequenceRequest{prompt, steps + 1}, ks[i]);
-        per_token.insert(per_token.end(), r.step_us.begin(), r.step_us.end());
-      }
-      const auto st = replay_examples::summarize(per_token);
-      loop_us[i] = st.median;
-      add_tpot_row(fmt::format("loop K={}", ks[i]), st);
-    }
-    // Per token, a launch of K tokens costs about d + h / K: d on the device, h on the host once
-    // per launch (the metadata push, the launch, the wait for the read-back).
-    const double h = (loop_us[0] - loop_us[1]) * 16.0 / 15.0, d = loop_us[0] - h;
-    fmt::print("device loop per token: K=1 {:.1f} us, K=16 {:.1f} us, per-step graph {:.1f} us; as d + h/K: "
-               "device d = {:.1f} us, host share per launch h = {:.1f} us (K=16 pays {:.1f} us of it per token)\n",
-               loop_us[0], loop_us[1], tpot_graph_ms * 1e3, d, h, h / 16.0);
-    out["bench"]["loop_fit"] = {{"device_us_per_token", d}, {"host_us_per_launch", h}};
-  }
-  out["bench"]["d2d_GBps"] = bw / 1e9;
-  out["bench"]["read_GBps"] = rbw / 1e9;
-  out["bench"]["bytes_floor_ms"] = wbytes / bw * 1e3;
-  if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;
-  out["bench"]["weight_bytes_per_step"] = wbytes;
-  fmt::print("{}", t.markdown());
-
-  if (a.long_prompt > 0) {
-    // Batch 1 after a long prompt: each step also reads the sequence's K/V (every layer, K and V).
-    const std::vector<int> lp = random_prompt(a.long_prompt, cfg.vocab_size, s.seed + 99);
-    const auto r = run_schedule(eng, {SequenceRequest{lp, steps + 1}}, {0}, true, false);
-    const auto st = replay_examples::summarize(r.step_us);
-    const double kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.kv_dim() * sizeof(bf16);
-    const double kv_bytes = kv_per_token * (a.long_prompt + steps / 2.0);  // mean context over the steps
-    const double floor_ms = (wbytes + kv_bytes) / bw * 1e3;
-    fmt::print("\n## Long context: batch 1 (graph) after a {}-token prompt, {} steps\n"
-               "TPOT median {:.3f} ms; bytes floor (weights + {:.1f} MiB of K/V per step) {:.3f} ms: {:.2f}x\n",
-               a.long_prompt, steps, st.median / 1e3, mib(kv_bytes), floor_ms, st.median / 1e3 / floor_ms);
-    out["bench"]["long_context"] = {{"prompt", a.long_prompt}, {"tpot_ms", st.median / 1e3},
-                                    {"kv_bytes_per_step", kv_bytes}, {"bytes_floor_ms", floor_ms}};
-  }
-
-  replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT"});
-  for (int b : s.bench_batches) {
-    for (const auto& m : s.modes) {
-      std::vector<SequenceRequest> bs;
-      for (int i = 0; i < b; ++i)
-        bs.push_back({random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, s.seed + 7 * i), steps + 1});
-      std::vector<int> j(b, 0);
-      (void)run_schedule(eng, bs, j, m == "graph", false);
-      const auto r = run_schedule(eng, bs, j, m == "graph", false);
-      const auto st = replay_examples::summarize(r.step_us);
-      tb.add_row({std::to_string(b), std::to_string(eng.bucket_for(b)), m, fmt::format("{:.3f}", st.median / 1e3),
-                  fmt::format("{:.0f}", b / (st.median * 1e-6)),
-                  tpot_graph_ms > 0 ? fmt::format("{:.2f}", st.median / 1e3 / tpot_graph_ms) : std::string("-")});
-      out["bench"]["batched"][m][std::to_string(b)] = {
-          {"step_ms", st.median / 1e3}, {"tokens_per_s", b / (st.median * 1e-6)}, {"bucket", eng.bucket_for(b)}};
-    }
-  }
-  fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());
-  const int largest = eng.buckets().back();
-  const double waste = uniform_padding_waste(eng, largest);
-  fmt::print("bucket policy: powers of two up to {}; padding waste for batch sizes 1..{} equally likely: {:.1f}%\n",
-             largest, largest, 100.0 * waste);
-  out["bench"]["uniform_padding_waste"] = waste;
-}
-
-/// The memory report: weights, KV pool, buffers and the captured graphs, and the graph counters.
-void report_memory(const Engine& eng, bool quiet, json& out) {
-  const auto gs = eng.graph_stats();
-  out["memory"] = {{"weights_bytes", eng.weight_bytes()}, {"kv_pool_bytes", eng.kv_pool_bytes()},
-                   {"buffers_bytes", eng.buffer_bytes()}, {"graphs_bytes", gs.graph_bytes}};
-  json kpb = json::object();
-  for (const auto& [b, k] : gs.nodes_per_bucket) kpb[std::to_string(b)] = k;
-  out["pool"] = json::parse(eng.pool_stats().to_json());
-  out["graphs"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager_steps", gs.eager_steps},
-                   {"fallback_steps", gs.fallback_steps}, {"nodes_per_bucket", kpb},
-                   {"padded_rows", gs.padded_rows}, {"real_rows", gs.real_rows}};
-  if (quiet) return;
-  std::string kp;
-  for (const auto& [b, k] : gs.nodes_per_bucket) kp += fmt::format(" {}:{}", b, k);
-  fmt::print("memory: weights {:.1f} MiB, KV pool {:.1f} MiB, buffers {:.1f} MiB, graphs {:.2f} MiB ({} captured; "
-             "nodes per bucket{})\n",
-             mib(eng.weight_bytes()), mib(eng.kv_pool_bytes()), mib(eng.buffer_bytes()), mib(gs.graph_bytes),
-             gs.captures, kp);
 }
 
 }  // namespace
@@ -680,7 +293,7 @@ int main(int argc, char** argv) {
     int rc = 0;
     if (a.teacher_force >= 0) rc = run_parity(eng, a, s, out);
     else if (!a.bench || a.demo) rc = run_generation(eng, a, s, out);
-    if (a.bench) run_bench(eng, a, s, dev, out);
+    if (a.bench) run_bench(eng, s.bench, dev, out);
     report_memory(eng, a.quiet, out);
     if (!a.json_path.empty()) {
       std::ofstream f(a.json_path);

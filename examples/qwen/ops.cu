@@ -1,8 +1,10 @@
 // examples/qwen/ops.cu: the small kernels: random initialisation, the RoPE table, the embedding
-// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the
-// streaming-read kernels the benchmark's floors are measured with.
+// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the end
+// of a step in the device loop.
 #include "kernels.cuh"
 #include "device.cuh"
+
+#include <common/rng.hpp>
 
 #include <replay/device_loop.hpp>
 #include <replay/error.hpp>
@@ -18,7 +20,7 @@ using namespace dev;
 __global__ void fill_random_kernel(bf16* p, std::size_t n, std::uint64_t seed, float scale) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
        i += std::size_t(gridDim.x) * blockDim.x) {
-    const std::uint64_t h = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    const std::uint64_t h = replay_examples::splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
     const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
     p[i] = __float2bfloat16((2.f * u - 1.f) * scale);
   }
@@ -59,47 +61,6 @@ __global__ void embed_kernel(const bf16* __restrict__ embed, int vocab, int hidd
     *reinterpret_cast<float4*>(dst + k) = make_float4(f[0], f[1], f[2], f[3]);
     *reinterpret_cast<float4*>(dst + k + 4) = make_float4(f[4], f[5], f[6], f[7]);
   }
-}
-
-/// launch_read_link: the read probe's loop, with its first loads issued before the PDL wait.
-__global__ void __launch_bounds__(256) read_link_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
-  replay::pdl::launch_dependents();
-  unsigned acc = 0;
-  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
-  std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
-  uint4 v[4];
-#pragma unroll
-  for (int u = 0; u < 4; ++u) v[u] = i + u * stride < n ? ld_stream(p + i + u * stride) : make_uint4(0, 0, 0, 0);
-  replay::pdl::wait();
-  for (;;) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    i += 4 * stride;
-    if (i >= n) break;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = i + u * stride < n ? ld_stream(p + i + u * stride) : make_uint4(0, 0, 0, 0);
-  }
-  if (acc == 0x9E3779B9u) *sink = acc;  // practically never; keeps the loads alive
-}
-
-/// Read-bandwidth probe: every thread streams 16-byte loads, 4 in flight, over `n` uint4 (grid-stride)
-/// and folds them into one word so that the loads cannot be dropped.
-__global__ void __launch_bounds__(256) read_probe_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
-  unsigned acc = 0;
-  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
-  std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = ld_stream(p + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < n; i += stride) {
-    const uint4 v = ld_stream(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9E3779B9u) *sink = acc;  // practically never; keeps the loads alive
 }
 
 __global__ void rmsnorm_kernel(const float* residual, const bf16* w, int hidden, float eps, bf16* out) {
@@ -199,17 +160,6 @@ void launch_argmax(const float* logits, int V, int rows, unsigned long long* key
   replay::launch(argmax_kernel, {.grid = dim3(rows), .block = dim3(1024), .stream = s, .pdl = true}, logits, V, keys);
 }
 
-void launch_read_probe(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s) {
-  replay::launch(read_probe_kernel, {.grid = dim3(num_sms * 8), .block = dim3(256), .stream = s},
-                 static_cast<const uint4*>(p), bytes / 16, sink);
-}
-
-void launch_read_link(const void* p, std::size_t bytes, unsigned* sink, int num_sms, replay::stream_ref s) {
-  if (bytes % 16 != 0) throw replay::usage_error("qwen::launch_read_link: bytes must be a multiple of 16");
-  replay::launch(read_link_kernel, {.grid = dim3(bytes == 0 ? 1 : num_sms * 8), .block = dim3(256), .stream = s, .pdl = true},
-                 static_cast<const uint4*>(p), bytes / 16, sink);
-}
-
 // ---- the device loop's step end (Engine::decode_loop) ------------------------------------------------
 
 namespace {
@@ -221,7 +171,7 @@ namespace {
 __global__ void loop_advance_kernel(const unsigned long long* keys, std::int32_t* token, std::int32_t* pos,
                                     int max_context, replay::token_loop_ref loop) {
   replay::pdl::wait();
-  const int t = static_cast<int>(0xFFFFFFFFu - (keys[0] & 0xFFFFFFFFu));  // key_to_token
+  const int t = key_to_token(keys[0]);
   const int p = pos[0];
   token[0] = t;
   pos[0] = p + 1;

@@ -16,6 +16,27 @@
 
 namespace qwen {
 
+/// Comma-separated non-negative integers; `flag` names the option in errors.
+inline std::vector<int> parse_ids(const std::string& s, const char* flag) {
+  if (s.empty()) throw input_error(fmt::format("{}: empty list", flag));
+  std::vector<int> out;
+  std::size_t begin = 0;
+  for (;;) {
+    const std::size_t end = s.find(',', begin);
+    const std::string item = s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    const std::size_t index = out.size();
+    if (item.empty()) throw input_error(fmt::format("{}: empty entry at position {}", flag, index));
+    if (item.find_first_not_of("0123456789") != std::string::npos)
+      throw input_error(fmt::format("{}: '{}' at position {} is not a non-negative integer", flag, item, index));
+    if (item.size() > 10 || std::stoll(item) > (1ll << 31) - 1)
+      throw input_error(fmt::format("{}: {} at position {} is out of range", flag, item, index));
+    out.push_back(static_cast<int>(std::stoll(item)));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return out;
+}
+
 /// Run-time sizes of the engine (everything is allocated once from these).
 struct EngineOptions {
   int max_batch = 64;                        ///< rows the activation buffers hold (largest batch)
