@@ -99,6 +99,9 @@ std::vector<int> text_prompt_ids(const CLI::App& app, const TextOptions& t, cons
   const char* flag = app.count("--chat") > 0 ? "--chat" : "--prompt-text";
   const std::string& text = app.count("--chat") > 0 ? t.chat : t.prompt_text;
   if (text.empty()) throw input_error(fmt::format("{}: empty text", flag));
+  for (const auto& [f, s] : {std::pair{flag, &text}, std::pair{"--system", &t.system}})
+    if (const std::size_t bad = find_invalid_utf8(*s); bad != std::string::npos)
+      throw input_error(fmt::format("{}: text is not valid UTF-8 at byte {}", f, bad));
   Tokenizer tok = load(t, model_dir, flag);
   return encode(tok, app.count("--chat") > 0 ? chatml_prompt(t.chat, t.system) : t.prompt_text, flag);
 }

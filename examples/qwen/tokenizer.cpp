@@ -271,7 +271,7 @@ Tokenizer Tokenizer::from_json(std::string_view text, const std::string& origin)
     by_text.reserve(vocab.size());
     for (const auto& [tok, idj] : vocab.items()) {
       const int id = idj.get<int>();
-      if (!byte_level_decode(tok, raw))
+      if (tok.empty() || !byte_level_decode(tok, raw))
         throw tokenizer_error(origin + ": vocabulary token \"" + tok + "\" is not in the byte-level alphabet");
       if (used[id]) throw tokenizer_error(origin + ": id " + std::to_string(id) + " appears twice in model.vocab");
       used[id] = 1;
@@ -394,9 +394,9 @@ bool Tokenizer::is_special(int id) const {
 }
 
 const std::string& Tokenizer::token_bytes(int id) const {
-  if (id < 0 || id >= vocab_size())
+  if (id < 0 || id >= vocab_size() || bytes_[id].empty())
     throw tokenizer_error("token id " + std::to_string(id) + " is outside the vocabulary (0.." +
-                          std::to_string(vocab_size() - 1) + ")");
+                          std::to_string(vocab_size() - 1) + (id >= 0 && id < vocab_size() ? ", a gap" : "") + ")");
   return bytes_[id];
 }
 
@@ -466,6 +466,7 @@ void Tokenizer::bpe(std::string_view piece, std::vector<int>& out) {
     sym.swap(kept);
   }
   out.insert(out.end(), sym.begin(), sym.end());
+  if (n > 256) return;  // long runs (whitespace, punctuation) are rare: not worth keeping
   if (im.cache.size() >= 200000) im.cache.clear();
   im.cache.emplace(std::string(piece), std::move(sym));
 }

@@ -4,7 +4,6 @@
 // against `tokenizers` and `tiktoken` by tools/tokenizer_parity.py.
 #include <doctest/doctest.h>
 
-#include "qwen/text.hpp"
 #include "qwen/tokenizer.hpp"
 
 #include <nlohmann/json.hpp>
