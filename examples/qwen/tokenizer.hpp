@@ -20,8 +20,8 @@
 // added tokens; BPE dropout, byte fallback, ignore_merges) is refused with a tokenizer_error naming it.
 //
 // The Split regex runs through PCRE2 (UTF, UCP, JIT where available). `\s` and `\S` in the pattern
-// are rewritten to Unicode White_Space (the set Oniguruma and Rust's regex use), which PCRE2's own
-// `\s` does not match exactly (U+0085).
+// are rewritten to Unicode White_Space (the set Oniguruma and Rust's regex use): PCRE2's own `\s`
+// also matches U+180E.
 #pragma once
 
 #include <cstdint>
