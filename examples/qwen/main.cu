@@ -7,10 +7,13 @@
 //   qwen --preset qwen3-0.6b --gen 64 --tokens-per-launch 16   # device loop: 16 tokens per launch
 //   qwen --preset tiny --demo                 # sequences join and finish at different steps
 //   qwen --model dir --prompt ... --teacher-force 8 --dump-logits logits.f32
+//   qwen --tokenizer dir/tokenizer.json --tokenize "Hello"     # text flags: text.hpp
+//   qwen --model dir --chat "Why is the sky blue?" --gen 64
 // Every flag is checked before any GPU work; bad input exits with code 2 and a message naming the flag.
 #include "bench.hpp"
 #include "model.hpp"
 #include "schedule.hpp"
+#include "text.hpp"
 
 #include <common/device.hpp>
 #include <common/report.hpp>
@@ -46,6 +49,7 @@ struct Args {
   int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0;
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
+  TextOptions text;  ///< --tokenizer, --tokenize, --detokenize, --prompt-text, --chat, --system
 };
 
 void add_flags(CLI::App& app, Args& a) {
@@ -78,6 +82,7 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_flag("--quiet", a.quiet, "print less");
   app.add_option("--dump-graph", a.dump_graph,
                  "write bucket 1's decode-step graph to PATH: DOT if it ends in .dot, else JSON");
+  add_text_flags(app, a.text);
 }
 
 /// What a run needs, built from the flags and checked on the host before any GPU work.
@@ -151,7 +156,9 @@ Setup prepare(Args& a, const CLI::App& app) {
   opt.seed = s.seed;
   opt.gemv_max_rows = a.gemv_max_rows;
 
-  if (!a.prompt.empty()) s.prompt = parse_ids(a.prompt, "--prompt");
+  const bool text_prompt = text_prompt_requested(app);
+  if (text_prompt) s.prompt = text_prompt_ids(app, a.text, a.model_dir);
+  else if (!a.prompt.empty()) s.prompt = parse_ids(a.prompt, "--prompt");
   else s.prompt = random_prompt(a.random_prompt > 0 ? static_cast<int>(a.random_prompt) : 8, cfg.vocab_size, s.seed);
   const auto& prompt = s.prompt;
   s.bench.prompt = s.prompt;
@@ -167,7 +174,7 @@ Setup prepare(Args& a, const CLI::App& app) {
     demo_requests(std::max(a.batch, 12), cfg.vocab_size, s.seed, s.seqs, s.join);
   } else {
     for (int i = 0; i < a.batch; ++i) {
-      s.seqs.push_back({i == 0 || !a.prompt.empty()
+      s.seqs.push_back({i == 0 || !a.prompt.empty() || text_prompt
                             ? prompt
                             : random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, s.seed + i),
                         a.gen});
@@ -260,6 +267,7 @@ int main(int argc, char** argv) {
   Args a;
   add_flags(app, a);
   CLI11_PARSE(app, argc, argv);
+  if (text_tool_requested(app)) return run_text_tool(app, a.text);  // host only, no CUDA
   try {
     const Setup s = prepare(a, app);  // host only: bad input fails before any GPU work
     int ndev = 0;
