@@ -16,6 +16,14 @@
 #             against transformers (when installed), --bench for the 0.6B and 4B shapes
 #   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
 #   suite     every benchmark program through benchmarks/run.sh (JSON only)
+#   focus     CTest, then memcheck of every library GPU test (FOCUS_LIBRARY=0 leaves them out), the
+#             Qwen sampling and device-loop cases and the multi-GPU test, and racecheck of the
+#             conditional, composition and sampler tests (a shorter core)
+#   compare   the decoders of BASELINE (the build directory of another commit) against this build:
+#             NanoGPT's default run, Qwen generation (batch 4, the staggered demo, the device loop),
+#             and the Qwen 0.6B bench in both; prints whether the tokens are identical
+#   chat      Qwen3-0.6B shape (random weights) with a real tokenizer.json (TOKENIZER): a chat turn
+#             greedy and sampled, eager and graph and device loop, printed as text
 #   asan      the AddressSanitizer + UndefinedBehaviorSanitizer build (CMake preset "asan"): host
 #             tests, the CLIs' bad-input tests, the hostile-input corpus and the fuzz corpus replays
 # Settings: OUT (logs, default ./out), BUILD_DIR (build-gpu), DEPS_ENV (a script pointing CMake and
@@ -146,6 +154,61 @@ if has suite; then
   NO_REPORT=1 BUILD_DIR="$build" RESULTS="$out/bench" CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" \
     bash benchmarks/run.sh >"$out/bench-suite.log" 2>&1
   say "benchmark suite: rc=$? (JSON in $out/bench; then on any machine: python3 benchmarks/report.py $out/bench/*.json)"
+fi
+
+if has focus; then
+  (cd "$build" && ctest --output-on-failure -j8 -E tokenizer_parity) >"$out/ctest.log" 2>&1
+  grep -E "tests passed|tests failed|\(Failed\)|Not Run" "$out/ctest.log" | tee -a "$sum"
+  mc() {  # mc TOOL NAME BINARY [doctest args]: one sanitizer run, its summary lines
+    local tool=$1 name=$2 bin=$3; shift 3
+    local flags=(--tool "$tool"); [ "$tool" = memcheck ] && flags+=(--report-api-errors no)
+    [ "$tool" = racecheck ] && flags+=(--racecheck-report hazard)
+    timeout "$mc_timeout" compute-sanitizer "${flags[@]}" "$bin" "$@" >"$out/$tool-$name.log" 2>&1
+    echo "$tool $name: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test cases" "$out/$tool-$name.log" | tr '\n' ' ')" | tee -a "$sum"
+  }
+  if [ "${FOCUS_LIBRARY:-1}" = 1 ]; then  # FOCUS_LIBRARY=0: only the example's and multi-GPU runs
+    for t in "$build"/tests/gpu_test_*; do
+      case $t in *condition_debug*|*multi_gpu*) continue ;; esac
+      mc memcheck "$(basename "$t")" "$t"
+    done
+    mc racecheck conditional "$build/tests/gpu_test_conditional"
+    mc racecheck composition "$build/tests/gpu_test_composition"
+  fi
+  mc memcheck multi_gpu "$build/tests/gpu_test_multi_gpu"
+  mc memcheck qwen_sampling "$build/examples/qwen/qwen_gpu" -tc='sampling*,*device loop*'
+  mc racecheck qwen_sampler "$build/examples/qwen/qwen_gpu" -tc='sampling:*'
+fi
+
+if has compare; then
+  [ -n "${BASELINE:-}" ] || { echo "compare: set BASELINE to the build directory of the other commit" >&2; exit 1; }
+  run_both() {  # run_both NAME FILTER ARGS...: the same command in both builds, the lines matching
+    local name=$1 filter=$2 g=(grep -E); shift 2  # FILTER (or, with a leading !, not matching it) compared
+    [ "${filter:0:1}" = "!" ] && g=(grep -vE) && filter=${filter:1}
+    "$BASELINE/$1" "${@:2}" 2>&1 | "${g[@]}" "$filter" >"$out/compare-$name-before.txt"
+    "$build/$1" "${@:2}" 2>&1 | "${g[@]}" "$filter" >"$out/compare-$name-after.txt"
+    if cmp -s "$out/compare-$name-before.txt" "$out/compare-$name-after.txt"; then r=identical; else r=DIFFERENT; fi
+    say "compare $name: $r ($(wc -l <"$out/compare-$name-after.txt") lines)"
+  }
+  run_both nanogpt '!µs|tok/s|[0-9] ?ms|[0-9.]+x|──|[|]|^nanogpt on|^ *$' examples/nanogpt/nanogpt --mode both --tokens-per-launch 16
+  run_both qwen-batch4 '^  seq ' examples/qwen/qwen --preset qwen3-0.6b --random-prompt 16 --gen 48 --batch 4
+  run_both qwen-demo '^  seq |^demo:' examples/qwen/qwen --preset tiny --demo
+  run_both qwen-loop '^  seq ' examples/qwen/qwen --preset qwen3-0.6b --random-prompt 16 --gen 64 --tokens-per-launch 16
+  for side in before after; do
+    d=$build; [ $side = before ] && d=$BASELINE
+    "$d/examples/qwen/qwen" --preset qwen3-0.6b --bench --gen "$steps" --bench-batches 1,8,64 >"$out/compare-bench-$side.txt" 2>&1
+    grep -E "^\| (graph|eager)|floor|^\| *[0-9]+ \|" "$out/compare-bench-$side.txt" | sed "s/^/[$side] /" | tee -a "$sum"
+  done
+fi
+
+if has chat; then
+  [ -n "${TOKENIZER:-}" ] || { echo "chat: set TOKENIZER to a tokenizer.json" >&2; exit 1; }
+  chat=(--preset qwen3-0.6b --tokenizer "$TOKENIZER" --chat "Why is the sky blue?" --system "Answer briefly." --gen 24)
+  "$qw" "${chat[@]}" --mode both >"$out/chat-greedy.txt" 2>&1; say "chat greedy: rc=$?"
+  "$qw" "${chat[@]}" --mode both --temperature 0.8 --top-k 40 --top-p 0.95 --sample-seed 7 >"$out/chat-sampled.txt" 2>&1
+  say "chat sampled: rc=$?"
+  "$qw" "${chat[@]}" --mode graph --tokens-per-launch 8 --temperature 0.8 --top-k 40 --top-p 0.95 --sample-seed 7 \
+    >"$out/chat-sampled-loop.txt" 2>&1; say "chat sampled, device loop: rc=$?"
+  grep -h -E "identical|DIFFERENT|^  seq 0" "$out"/chat-*.txt | tee -a "$sum"
 fi
 
 if has asan; then

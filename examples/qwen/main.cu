@@ -96,6 +96,8 @@ struct Setup {
   std::vector<int> join;              ///< the step at which each sequence joins
   BenchOptions bench;                 ///< --bench: what it runs
   std::vector<std::string> modes;     ///< "eager", "graph" or both, in that order
+  SampleParams sample;                ///< --temperature, --top-k, --top-p, --sample-seed
+  std::optional<TextSession> text;    ///< a text prompt: its tokenizer prints the output as text
 };
 
 /// Checks every flag and builds the Setup; throws input_error naming the flag.
@@ -156,8 +158,10 @@ Setup prepare(Args& a, const CLI::App& app) {
   opt.seed = s.seed;
   opt.gemv_max_rows = a.gemv_max_rows;
 
+  s.sample = sampling_from_flags(a.text);
+  opt.sampling = s.sample.temperature > 0;  // the head then writes logits for the sampler
   const bool text_prompt = text_prompt_requested(app);
-  if (text_prompt) s.prompt = text_prompt_ids(app, a.text, a.model_dir);
+  if (text_prompt) s.text = text_session(app, a.text, a.model_dir), s.prompt = s.text->prompt;
   else if (!a.prompt.empty()) s.prompt = parse_ids(a.prompt, "--prompt");
   else s.prompt = random_prompt(a.random_prompt > 0 ? static_cast<int>(a.random_prompt) : 8, cfg.vocab_size, s.seed);
   const auto& prompt = s.prompt;
@@ -177,7 +181,7 @@ Setup prepare(Args& a, const CLI::App& app) {
       s.seqs.push_back({i == 0 || !a.prompt.empty() || text_prompt
                             ? prompt
                             : random_prompt(static_cast<int>(prompt.size()), cfg.vocab_size, s.seed + i),
-                        a.gen});
+                        a.gen, s.text ? s.text->stop : std::vector<int>{}});
       s.join.push_back(0);
     }
   }
@@ -223,8 +227,12 @@ int run_generation(Engine& eng, const Args& a, const Setup& s, json& out) {
     const bool looped = m == "graph" && a.tokens_per_launch > 0;  // batch 1 (checked by prepare)
     if (!a.quiet && looped) fmt::print("[{}] 1 sequence, device loop, {} tokens per launch\n", m, a.tokens_per_launch);
     else if (!a.quiet) fmt::print("[{}] {} sequence(s)\n", m, s.seqs.size());
-    results.push_back(looped ? run_looped(eng, s.seqs[0], a.tokens_per_launch)
-                             : run_schedule(eng, s.seqs, s.join, m == "graph", a.demo && !a.quiet));
+    std::optional<TextPrinter> text;  // a text prompt: sequence 0 printed as text while it is generated
+    if (s.text && !a.quiet) text.emplace(s.text->tokenizer);
+    const TokenSink sink = [&](int seq, int token) { if (text && seq == 0) text->token(token); };
+    results.push_back(looped ? run_looped(eng, s.seqs[0], a.tokens_per_launch, sink)
+                             : run_schedule(eng, s.seqs, s.join, m == "graph", a.demo && !a.quiet, sink));
+    if (text) text->finish();
     const auto& r = results.back();
     const auto st = replay_examples::summarize(r.step_us);
     if (!a.quiet) {
@@ -279,6 +287,7 @@ int main(int argc, char** argv) {
     const Config& cfg = s.cfg;
     replay_examples::stopwatch load_sw;
     Engine eng(cfg, s.opt, s.weights ? &*s.weights : nullptr);
+    eng.set_sampling(s.sample);
     const double load_ms = load_sw.elapsed_ms();
     if (!a.dump_graph.empty()) {
       const replay::graph g = replay::capture(eng.stream(), [&](replay::stream_ref cs) { eng.record_decode_step(1, cs); });

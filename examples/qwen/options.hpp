@@ -105,7 +105,8 @@ struct SampleParams {
 /// One sequence of a generation request.
 struct SequenceRequest {
   std::vector<int> prompt;  ///< prompt token ids
-  int generate = 0;         ///< tokens to generate after the prompt
+  int generate = 0;         ///< tokens to generate after the prompt (at most)
+  std::vector<int> stop{};  ///< ids that end the sequence once generated (end of sequence); empty: none
 };
 
 /// Checks a request against the config and the engine sizes: token ids in range, prompt +

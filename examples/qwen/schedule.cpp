@@ -26,8 +26,12 @@ void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceReq
   }
 }
 
+namespace {
+bool is_stop(const SequenceRequest& q, int token) { return std::find(q.stop.begin(), q.stop.end(), token) != q.stop.end(); }
+}  // namespace
+
 RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
-                       bool graph, bool verbose) {
+                       bool graph, bool verbose, const TokenSink& sink) {
   struct State {
     int slot = -1;
     int pos = 0;
@@ -51,8 +55,9 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
       res.prefill_ms += sw.elapsed_ms();
       st[i].pos = static_cast<int>(q.prompt.size());
       res.tokens[i].push_back(st[i].next);
+      if (sink) sink(i, st[i].next);
       if (verbose) fmt::print("  step {:4}: sequence {} joins (prompt {} tokens, generating {})\n", step, i, q.prompt.size(), q.generate);
-      if (static_cast<int>(res.tokens[i].size()) >= q.generate) {
+      if (static_cast<int>(res.tokens[i].size()) >= q.generate || is_stop(q, st[i].next)) {
         st[i].done = true, ++finished;
         book.release(st[i].slot);
         st[i].slot = -1;
@@ -82,9 +87,10 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
     for (std::size_t k = 0; k < rows.size(); ++k) {
       const int i = who[k];
       res.tokens[i].push_back(next[k]);
+      if (sink) sink(i, next[k]);
       st[i].next = next[k];
       ++st[i].pos;
-      if (static_cast<int>(res.tokens[i].size()) >= seqs[i].generate) {
+      if (static_cast<int>(res.tokens[i].size()) >= seqs[i].generate || is_stop(seqs[i], next[k])) {
         st[i].done = true, ++finished;
         book.release(st[i].slot);
         st[i].slot = -1;
@@ -95,7 +101,7 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
   return res;
 }
 
-RunResult run_looped(Engine& eng, const SequenceRequest& q, int k) {
+RunResult run_looped(Engine& eng, const SequenceRequest& q, int k, const TokenSink& sink) {
   auto& book = eng.kv();
   RunResult res;
   res.tokens.assign(1, {});
@@ -106,21 +112,28 @@ RunResult run_looped(Engine& eng, const SequenceRequest& q, int k) {
   int next = eng.prefill(slot, q.prompt, 0);
   res.prefill_ms = sw.elapsed_ms();
   tokens.push_back(next);
+  if (sink) sink(0, next);
   int pos = static_cast<int>(q.prompt.size());
   std::vector<int> out(static_cast<std::size_t>(k));
-  while (static_cast<int>(tokens.size()) < q.generate) {
+  bool stopped = is_stop(q, next);
+  while (!stopped && static_cast<int>(tokens.size()) < q.generate) {
     const int want = std::min(k, q.generate - static_cast<int>(tokens.size()));
     sw.restart();
-    const int n = eng.decode_loop(slot, next, pos, want, /*stop_token=*/-1, out);
+    // The device loop stops on one token; the host ends the sequence at any stop id.
+    int n = eng.decode_loop(slot, next, pos, want, q.stop.empty() ? -1 : q.stop.front(), out);
     const double us = sw.elapsed_us();
     res.step_us.push_back(us / n);
     res.decode_s += us * 1e-6;
     res.step_rows.push_back(1);
     res.step_bucket.push_back(1);
+    const int got = n;
+    for (int j = 0; j < got && !stopped; ++j) stopped = is_stop(q, out[j]), n = j + 1;
     tokens.insert(tokens.end(), out.begin(), out.begin() + n);
+    if (sink)
+      for (int j = 0; j < n; ++j) sink(0, out[j]);
     next = out[n - 1];
     pos += n;
-    if (n < want) break;  // the context is full (validate_request rules it out)
+    if (!stopped && n < want) break;  // the context is full (validate_request rules it out)
   }
   book.release(slot);
   return res;

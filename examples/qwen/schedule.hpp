@@ -6,6 +6,7 @@
 #include "model.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace qwen {
@@ -28,16 +29,20 @@ struct RunResult {
   double decode_s = 0;                   ///< total decode wall time
 };
 
+/// Receives each generated token of sequence `seq` as soon as the host has it.
+using TokenSink = std::function<void(int seq, int token)>;
+
 /// Runs `seqs` to completion: sequence i joins at step join[i] (prefilled then), decodes one token
-/// per step with the others, and leaves (freeing its blocks) when it has generated its tokens.
-/// `verbose` prints when sequences join and leave and when the bucket changes.
+/// per step with the others, and leaves (freeing its blocks) when it has generated its tokens or
+/// one of its stop ids. `verbose` prints when sequences join and leave and when the bucket changes.
 RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
-                       bool graph, bool verbose);
+                       bool graph, bool verbose, const TokenSink& sink = {});
 
 /// Runs one sequence with the device loop: prefill, then one Engine::decode_loop launch per `k`
-/// tokens (fewer for the last). step_us holds each launch's host wall time (push..read back)
-/// divided by the tokens it produced: the time per token.
-RunResult run_looped(Engine& eng, const SequenceRequest& q, int k);
+/// tokens (fewer for the last), stopping on the device at the first stop id and on the host at any
+/// of them. step_us holds each launch's host wall time (push..read back) divided by the tokens it
+/// produced: the time per token.
+RunResult run_looped(Engine& eng, const SequenceRequest& q, int k, const TokenSink& sink = {});
 
 /// The buckets a run used and its padding: rows of real sequences against rows run.
 struct BucketUse {

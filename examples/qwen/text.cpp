@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <cmath>
 #include <filesystem>
 
 namespace qwen {
@@ -58,7 +59,34 @@ void add_text_flags(CLI::App& app, TextOptions& t) {
   app.add_option("--prompt-text", t.prompt_text, "prompt as text, encoded with the tokenizer");
   app.add_option("--chat", t.chat, "user message, wrapped in Qwen3's ChatML (thinking off) as the prompt");
   app.add_option("--system", t.system, "system message of --chat");
+  app.add_option("--temperature", t.temperature, "sampling temperature (0: greedy, the default)");
+  app.add_option("--top-k", t.top_k, "sample among the K largest logits (0: all)");
+  app.add_option("--top-p", t.top_p, "sample within the smallest set of mass P, in (0, 1] (1: all)");
+  app.add_option("--sample-seed", t.sample_seed, "seed of the sampler's random draws (0..4294967295)");
 }
+
+SampleParams sampling_from_flags(const TextOptions& t) {
+  if (!(t.temperature >= 0) || !std::isfinite(t.temperature))
+    throw input_error(fmt::format("--temperature {} must be finite and >= 0 (0: greedy)", t.temperature));
+  if (!(t.top_p > 0 && t.top_p <= 1)) throw input_error(fmt::format("--top-p {} must be in (0, 1]", t.top_p));
+  if (t.top_k < 0) throw input_error(fmt::format("--top-k {} must be >= 0 (0: all)", t.top_k));
+  if (t.sample_seed < 0 || t.sample_seed > 0xffffffffLL)
+    throw input_error(fmt::format("--sample-seed {} must be in 0..4294967295", t.sample_seed));
+  SampleParams p{static_cast<float>(t.temperature), static_cast<float>(t.top_p), t.top_k,
+                 static_cast<std::uint32_t>(t.sample_seed)};
+  p.validate();
+  return p;
+}
+
+TextPrinter::TextPrinter(std::shared_ptr<const Tokenizer> tok, std::FILE* out)
+    : tok_(std::move(tok)), dec_(*tok_), out_(out) {}
+
+void TextPrinter::token(int id) {
+  fmt::print(out_, "{}", dec_.feed(id));
+  std::fflush(out_);
+}
+
+void TextPrinter::finish() { fmt::print(out_, "{}\n", dec_.flush()); }
 
 bool text_tool_requested(const CLI::App& app) {
   return app.count("--tokenize") > 0 || app.count("--detokenize") > 0;
@@ -90,7 +118,7 @@ bool text_prompt_requested(const CLI::App& app) {
   return app.count("--prompt-text") > 0 || app.count("--chat") > 0 || app.count("--system") > 0;
 }
 
-std::vector<int> text_prompt_ids(const CLI::App& app, const TextOptions& t, const std::string& model_dir) {
+TextSession text_session(const CLI::App& app, const TextOptions& t, const std::string& model_dir) {
   std::vector<std::string> given;
   for (const char* f : kPromptFlags)
     if (app.count(f) > 0) given.emplace_back(f);
@@ -102,8 +130,19 @@ std::vector<int> text_prompt_ids(const CLI::App& app, const TextOptions& t, cons
   for (const auto& [f, s] : {std::pair{flag, &text}, std::pair{"--system", &t.system}})
     if (const std::size_t bad = find_invalid_utf8(*s); bad != std::string::npos)
       throw input_error(fmt::format("{}: text is not valid UTF-8 at byte {}", f, bad));
-  Tokenizer tok = load(t, model_dir, flag);
-  return encode(tok, app.count("--chat") > 0 ? chatml_prompt(t.chat, t.system) : t.prompt_text, flag);
+  auto tok = std::make_shared<Tokenizer>(load(t, model_dir, flag));
+  TextSession s;
+  s.prompt = encode(*tok, app.count("--chat") > 0 ? chatml_prompt(t.chat, t.system) : t.prompt_text, flag);
+  // The checkpoint's generation_config.json / config.json sit next to tokenizer.json.
+  std::filesystem::path dir = t.tokenizer.empty() ? std::filesystem::path(model_dir) : std::filesystem::path(t.tokenizer);
+  if (!std::filesystem::is_directory(dir)) dir = dir.parent_path();
+  try {
+    s.stop = eos_token_ids(dir, *tok);
+  } catch (const tokenizer_error& e) {
+    throw input_error(fmt::format("end-of-sequence ids: {}", e.what()));
+  }
+  s.tokenizer = std::move(tok);
+  return s;
 }
 
 }  // namespace qwen
