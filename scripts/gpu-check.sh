@@ -195,7 +195,7 @@ if has compare; then
   run_both qwen-loop '^  seq ' examples/qwen/qwen --preset qwen3-0.6b --random-prompt 16 --gen 64 --tokens-per-launch 16
   for side in before after; do
     d=$build; [ $side = before ] && d=$BASELINE
-    "$d/examples/qwen/qwen" --preset qwen3-0.6b --bench --gen "$steps" --bench-batches 1,8,64 >"$out/compare-bench-$side.txt" 2>&1
+    "$d/examples/qwen/qwen" --preset qwen3-0.6b --bench --gen "$steps" --bench-batches 1,8,64 --long-prompt 1024 >"$out/compare-bench-$side.txt" 2>&1
     grep -E "^\| (graph|eager)|floor|^\| *[0-9]+ \|" "$out/compare-bench-$side.txt" | sed "s/^/[$side] /" | tee -a "$sum"
   done
 fi
