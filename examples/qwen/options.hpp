@@ -9,8 +9,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -107,6 +109,15 @@ struct SequenceRequest {
   std::vector<int> prompt;  ///< prompt token ids
   int generate = 0;         ///< tokens to generate after the prompt (at most)
   std::vector<int> stop{};  ///< ids that end the sequence once generated (end of sequence); empty: none
+
+  /// Whether generating `token` ends the sequence.
+  [[nodiscard]] bool stops_at(int token) const { return std::find(stop.begin(), stop.end(), token) != stop.end(); }
+  /// How many of `generated` the sequence keeps: up to and including the first stop id, else all.
+  [[nodiscard]] std::size_t kept(std::span<const int> generated) const {
+    for (std::size_t i = 0; i < generated.size(); ++i)
+      if (stops_at(generated[i])) return i + 1;
+    return generated.size();
+  }
 };
 
 /// Checks a request against the config and the engine sizes: token ids in range, prompt +

@@ -26,10 +26,6 @@ void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceReq
   }
 }
 
-namespace {
-bool is_stop(const SequenceRequest& q, int token) { return std::find(q.stop.begin(), q.stop.end(), token) != q.stop.end(); }
-}  // namespace
-
 RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
                        bool graph, bool verbose, const TokenSink& sink) {
   struct State {
@@ -57,7 +53,7 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
       res.tokens[i].push_back(st[i].next);
       if (sink) sink(i, st[i].next);
       if (verbose) fmt::print("  step {:4}: sequence {} joins (prompt {} tokens, generating {})\n", step, i, q.prompt.size(), q.generate);
-      if (static_cast<int>(res.tokens[i].size()) >= q.generate || is_stop(q, st[i].next)) {
+      if (static_cast<int>(res.tokens[i].size()) >= q.generate || q.stops_at(st[i].next)) {
         st[i].done = true, ++finished;
         book.release(st[i].slot);
         st[i].slot = -1;
@@ -90,7 +86,7 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
       if (sink) sink(i, next[k]);
       st[i].next = next[k];
       ++st[i].pos;
-      if (static_cast<int>(res.tokens[i].size()) >= seqs[i].generate || is_stop(seqs[i], next[k])) {
+      if (static_cast<int>(res.tokens[i].size()) >= seqs[i].generate || seqs[i].stops_at(next[k])) {
         st[i].done = true, ++finished;
         book.release(st[i].slot);
         st[i].slot = -1;
@@ -115,7 +111,7 @@ RunResult run_looped(Engine& eng, const SequenceRequest& q, int k, const TokenSi
   if (sink) sink(0, next);
   int pos = static_cast<int>(q.prompt.size());
   std::vector<int> out(static_cast<std::size_t>(k));
-  bool stopped = is_stop(q, next);
+  bool stopped = q.stops_at(next);
   while (!stopped && static_cast<int>(tokens.size()) < q.generate) {
     const int want = std::min(k, q.generate - static_cast<int>(tokens.size()));
     sw.restart();
@@ -126,8 +122,8 @@ RunResult run_looped(Engine& eng, const SequenceRequest& q, int k, const TokenSi
     res.decode_s += us * 1e-6;
     res.step_rows.push_back(1);
     res.step_bucket.push_back(1);
-    const int got = n;
-    for (int j = 0; j < got && !stopped; ++j) stopped = is_stop(q, out[j]), n = j + 1;
+    n = static_cast<int>(q.kept(std::span<const int>(out.data(), static_cast<std::size_t>(n))));
+    stopped = q.stops_at(out[n - 1]);
     tokens.insert(tokens.end(), out.begin(), out.begin() + n);
     if (sink)
       for (int j = 0; j < n; ++j) sink(0, out[j]);

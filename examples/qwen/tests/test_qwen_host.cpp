@@ -260,3 +260,16 @@ TEST_CASE("weights are checked against the config") {
   }
   fs::remove_all(root);
 }
+
+TEST_CASE("a sequence ends at its first end-of-sequence id, or keeps everything without one") {
+  const SequenceRequest q{{1, 2}, 8, {151645, 151643}};
+  CHECK(q.stops_at(151645));
+  CHECK(q.stops_at(151643));
+  CHECK_FALSE(q.stops_at(7));
+  const std::vector<int> launch{5, 6, 151643, 9, 151645};  // what one device-loop launch returned
+  CHECK(q.kept(launch) == 3);
+  CHECK(q.kept(std::span<const int>(launch.data(), 2)) == 2);
+  const SequenceRequest none{{1}, 4};
+  CHECK_FALSE(none.stops_at(151645));
+  CHECK(none.kept(launch) == launch.size());
+}
