@@ -54,12 +54,19 @@ __device__ __forceinline__ void prefetch_l1(const T* p, int n) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p + i));
 }
 
-/// Maps a float to an unsigned int with the same order; packed with ~index so that atomicMax picks
-/// the largest value and, among equal values, the lowest index.
+/// Maps a float to an unsigned int with the same order, and back.
+__device__ __forceinline__ unsigned ordered(float v) {
+  const unsigned u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_ordered(unsigned o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
+}
+
+/// ordered(v) packed with ~index, so that atomicMax picks the largest value and, among equal
+/// values, the lowest index.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
-  unsigned u = __float_as_uint(v);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(u) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
+  return (static_cast<unsigned long long>(ordered(v)) << 32) | (0xFFFFFFFFu - static_cast<unsigned>(idx));
 }
 
 /// Per-head RMSNorm then rotate-half RoPE of one head (D values), done by one warp. Lane owns dims

@@ -30,15 +30,6 @@ namespace {
 using namespace dev;
 using u64 = unsigned long long;
 
-/// The order-preserving map of a float to 32 bits (argmax_key's high half), and its inverse.
-__device__ __forceinline__ unsigned ordered(float v) {
-  const unsigned u = __float_as_uint(v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float from_ordered(unsigned o) {
-  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
-}
-
 /// Probability mass of logit v relative to the largest, exp((v - xmax) / T) in [0, 1], in units of 2^-40.
 __device__ __forceinline__ u64 mass(float v, float xmax, float inv_t) {
   const float e = expf((v - xmax) * inv_t);
