@@ -1,4 +1,5 @@
-// examples/qwen/kernels.cuh: the decoder's kernels, as launchers (gemv.cu, attention.cu, ops.cu).
+// examples/qwen/kernels.cuh: the decoder's kernels, as launchers (gemv.cu, attention.cu,
+// prefill_attention.cu, ops.cu).
 //
 // Every per-step value (each row's token id, position and block-table slot) is read by the kernels
 // through the fixed device pointers of RowMeta, never passed by value, so a captured graph replays
@@ -151,6 +152,18 @@ void launch_kv_write(const float* qkv, int q_heads, const bf16* k_norm, float ep
                      int rows, KvPool kv, int layer, replay::stream_ref s);
 /// Sets the attention kernels' shared-memory carveout (once per process).
 void init_attention_attributes();
+
+// ---- prefill attention (prefill_attention.cu) -------------------------------------------------------
+
+/// Causal attention of a prefill chunk on the tensor cores: `rows` rows of one sequence (block-table
+/// row meta.rows[0].slot) at increasing positions meta.rows[r].pos, each attending to positions
+/// 0..pos of the pool, which must hold them all (earlier chunks' and, through launch_kv_write, this
+/// chunk's). Q is normalised (q_norm) and rotated as in launch_attention, then rounded to bf16; out is
+/// [rows][q_heads * head_dim] bf16.
+void launch_prefill_attention(const float* qkv, int q_heads, const bf16* q_norm, float eps, const float2* rope,
+                              RowMeta meta, int rows, KvPool kv, int layer, bf16* out, replay::stream_ref s);
+/// Sets the prefill attention kernels' dynamic shared-memory limit (once per process, before launching).
+void init_prefill_attention_attributes();
 
 // ---- small ops (ops.cu) ----------------------------------------------------------------------------
 

@@ -140,6 +140,7 @@ struct Engine::Impl {
                                     opt.kv_budget_bytes / 1048576.0, nb, opt.block_size, free_bytes / 1048576.0));
     init_gemv_attributes();
     init_attention_attributes();
+    init_prefill_attention_attributes();
     stream = replay::stream();
     alloc_weights(st);
     for (auto& l : layers)
@@ -359,16 +360,15 @@ struct Engine::Impl {
     if (opt.sampling) launch_sample(logits, cfg.vocab_size, row_meta, sample_meta->device(), rows, keys, s);
   }
 
-  /// One prefill chunk of `rows` positions of one sequence (cuBLAS path); K/V written first, since
-  /// the chunk's rows attend to each other.
+  /// One prefill chunk of `rows` positions of one sequence (cuBLAS GEMMs, tensor-core attention);
+  /// K/V written first, since the chunk's rows attend to each other.
   void prefill_chunk(int rows, replay::stream_ref s) {
     launch_embed(embed, cfg.vocab_size, cfg.hidden_size, meta, rows, residual, keys, s);
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const Layer& w = layers[l];
       linear(w.qkv, rows, std::nullopt, s);
       launch_kv_write(qkv, cfg.num_attention_heads, w.k_norm, eps(), rope, meta, rows, kv, l, s);
-      launch_attention(qkv, cfg.num_attention_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
-                       /*write_kv=*/false, AttnPlan{}, attn, s);
+      launch_prefill_attention(qkv, cfg.num_attention_heads, w.q_norm, eps(), rope, meta, rows, kv, l, attn, s);
       linear(w.o, rows, std::nullopt, s);
       linear(w.gate_up, rows, std::nullopt, s);
       linear(w.down, rows, std::nullopt, s);
@@ -417,14 +417,16 @@ struct Engine::Impl {
     book->clear_dirty();
   }
 
-  /// Stages the rows (padding rows: scratch slot, token 0, position 0) and pushes the metadata.
+  /// Stages the rows, padded to max_batch rows (the largest bucket; padding rows: scratch slot,
+  /// token 0, position 0), and pushes the metadata.
   void stage_and_push(std::span<const DecodeRow> rows) {
+    const int n = std::max(static_cast<int>(rows.size()), opt.max_batch);
     auto st = row_meta.staging();
-    for (int r = 0; r < max_rows; ++r)
+    for (int r = 0; r < n; ++r)
       st[r] = r < static_cast<int>(rows.size()) ? RowStep{rows[r].token, rows[r].pos, rows[r].slot}
                                                 : RowStep{0, 0, book->scratch_slot()};
     push_block_table();
-    row_meta.push(stream);
+    row_meta.push(stream, std::size_t(n));
   }
 
   [[nodiscard]] int bucket_for(int n) const {

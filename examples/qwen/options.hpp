@@ -47,7 +47,7 @@ struct EngineOptions {
   int block_size = 16;                       ///< tokens per KV block
   std::size_t kv_budget_bytes = 1ull << 30;  ///< device memory for the KV pool
   int max_context = 4096;                    ///< tokens per sequence (prompt + generation) at most
-  int prefill_chunk = 128;                   ///< prompt tokens per prefill pass
+  int prefill_chunk = 2048;                  ///< prompt tokens per prefill pass (activation buffers hold this many rows)
   std::uint64_t seed = 1234;                 ///< random initialisation seed (no weights path)
   float init_std = 0.02f;                    ///< std of random weights (uniform with this std)
   int gemv_max_rows = 16;                    ///< largest bucket on the fused GEMV (0, 1, 2, 4, 8, 16); larger: cuBLAS
