@@ -22,6 +22,9 @@
 #   compare   the decoders of BASELINE (the build directory of another commit) against this build:
 #             NanoGPT's default run, Qwen generation (batch 4, the staggered demo, the device loop),
 #             and the Qwen 0.6B bench in both; prints whether the tokens are identical
+#   prefill   the Qwen prefill: qwen_prefill_gpu plain, under memcheck and under racecheck (the
+#             attention kernel's cases), the bench's prefill rows (512 and 4096 tokens, against the
+#             compute floor) for the 0.6B and 4B shapes, parity.py with a 4096-token prompt
 #   chat      Qwen3-0.6B shape (random weights) with a real tokenizer.json (TOKENIZER): a chat turn
 #             greedy and sampled, eager and graph and device loop, printed as text
 #   asan      the AddressSanitizer + UndefinedBehaviorSanitizer build (CMake preset "asan"): host
@@ -200,6 +203,34 @@ if has compare; then
     "$d/examples/qwen/qwen" --preset qwen3-0.6b --bench --gen "$steps" --bench-batches 1,8,64 --long-prompt 1024 >"$out/compare-bench-$side.txt" 2>&1
     grep -E "^\| (graph|eager)|floor|^\| *[0-9]+ \|" "$out/compare-bench-$side.txt" | sed "s/^/[$side] /" | tee -a "$sum"
   done
+fi
+
+if has prefill; then
+  pf="$build/examples/qwen/qwen_prefill_gpu"
+  "$pf" >"$out/prefill-gpu.log" 2>&1
+  echo "qwen_prefill_gpu: rc=$?; $(grep -E "test cases" "$out/prefill-gpu.log")" | tee -a "$sum"
+  # The engine's logits (one chunk, many, token by token), then the kernel cases with the largest
+  # per-(row, head) distance from decode attention.
+  grep -E "MESSAGE: .*logits after" "$out/prefill-gpu.log" | sed 's/^.*MESSAGE: //' | tee -a "$sum"
+  grep -E "MESSAGE: prefill attention D=" "$out/prefill-gpu.log" | sed 's/^.*MESSAGE: //' | sort -t'|' -k2 -g | tail -3 |
+    tee -a "$sum"
+  for tool in memcheck racecheck; do
+    flags=(--tool "$tool"); [ $tool = memcheck ] && flags+=(--report-api-errors no)
+    [ $tool = racecheck ] && flags+=(--racecheck-report hazard)
+    timeout "$mc_timeout" compute-sanitizer "${flags[@]}" "$pf" -tc='prefill attention:*' >"$out/$tool-prefill.log" 2>&1
+    echo "$tool prefill attention: rc=$?; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test cases" "$out/$tool-prefill.log" | tr '\n' ' ')" | tee -a "$sum"
+  done
+  for p in qwen3-0.6b qwen3-4b; do  # prefill rows only: a short decode part, no long-context or batched runs
+    "$qw" --preset "$p" --bench --mode graph --gen 16 --bench-batches 1 --long-prompt 0 --bench-prefill 512,4096 \
+      --json "$out/qwen-prefill-$p.json" >"$out/qwen-prefill-$p.txt" 2>&1
+    echo "prefill bench $p: rc=$?" | tee -a "$sum"
+    grep -E "^## Prefill|^cuBLAS bf16|^prefill [0-9]+ tokens" "$out/qwen-prefill-$p.txt" | tee -a "$sum"
+  done
+  if python3 -c 'import transformers' 2>/dev/null; then
+    python3 examples/qwen/parity.py --bin "$qw" --long-prompt 4096 --out "$out/qwen-parity-long.json" \
+      >"$out/qwen-parity-long.log" 2>&1
+    grep -E "teacher-forced rel L2|PASS|FAIL" "$out/qwen-parity-long.log" | tee -a "$sum"
+  fi
 fi
 
 if has chat; then

@@ -1,5 +1,6 @@
 // examples/qwen/bench.cu: the `qwen --bench` benchmark (bench.hpp): its floors (the D2D copy rate,
-// a read-only streaming kernel, the kernel-per-matrix chain of streaming reads) and its tables.
+// a read-only streaming kernel, the kernel-per-matrix chain of streaming reads, cuBLAS's bf16 GEMM
+// rate for prefill) and its tables.
 #include "bench.hpp"
 
 #include "device.cuh"
@@ -13,6 +14,7 @@
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
+#include <cublas_v2.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -143,6 +145,67 @@ double chain_floor_ms(const Config& c, replay::stream_ref s) {
   return replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); });
 }
 
+/// cuBLAS's bf16 GEMM rate (FLOP/s): an 8192^3 GEMM, bf16 inputs, fp32 accumulate and output (as the
+/// prefill's projections), median of 10 runs after 2 warm-ups.
+double gemm_rate(replay::stream_ref s) {
+  constexpr int n = 8192;
+  auto check = [](cublasStatus_t st, const char* what) {
+    if (st != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error(fmt::format("cuBLAS {} failed: {}", what, cublasGetStatusString(st)));
+  };
+  replay::device_buffer<bf16> a(std::size_t(n) * n), b(std::size_t(n) * n);
+  replay::device_buffer<float> c(std::size_t(n) * n);
+  REPLAY_CHECK(cudaMemsetAsync(a.data(), 0, a.size_bytes(), s.get()));  // zeros: the rate does not depend on values
+  REPLAY_CHECK(cudaMemsetAsync(b.data(), 0, b.size_bytes(), s.get()));
+  cublasHandle_t h = nullptr;
+  check(cublasCreate(&h), "cublasCreate");
+  const float alpha = 1.f, beta = 0.f;
+  double ms = 0;
+  try {
+    check(cublasSetStream(h, s.get()), "cublasSetStream");
+    ms = replay_examples::median_gpu_ms(s, 10, [&] {
+      check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n, b.data(), CUDA_R_16BF,
+                         n, &beta, c.data(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            "cublasGemmEx");
+    });
+  } catch (...) {
+    (void)cublasDestroy(h);
+    throw;
+  }
+  (void)cublasDestroy(h);
+  return 2.0 * n * n * n / (ms * 1e-3);
+}
+
+/// FLOPs of prefilling n tokens: every layer matrix on n rows (2 per weight and row), causal
+/// attention (q K^T and P V: 4 head_dim per query head and (query, key) pair, n (n + 1) / 2 pairs),
+/// and the lm_head on the last row.
+double prefill_flops(const Config& c, int n) {
+  double params = 0;
+  for (const auto& m : c.layer_matrices()) params += static_cast<double>(m.params());
+  const double pairs = 0.5 * n * (n + 1.0);
+  return c.num_hidden_layers * (2.0 * params * n + 4.0 * c.head_dim * c.num_attention_heads * pairs) +
+         2.0 * c.vocab_size * c.hidden_size;
+}
+
+/// Host wall time (ms) of Engine::prefill of n random tokens into a fresh sequence, through the
+/// returned token: median of `reps` runs after one warm-up run (one-time costs such as loading
+/// cuBLAS's kernels are paid there, as llama-bench does).
+replay_examples::stats prefill_ms(Engine& eng, int n, std::uint64_t seed, int reps) {
+  const std::vector<int> p = random_prompt(n, eng.config().vocab_size, seed);
+  auto& book = eng.kv();
+  const int slot = book.acquire_slot();
+  book.ensure(slot, n);
+  (void)eng.prefill(slot, p, 0);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    replay_examples::stopwatch sw;
+    (void)eng.prefill(slot, p, 0);
+    ms.push_back(sw.elapsed_ms());
+  }
+  book.release(slot);
+  return replay_examples::summarize(ms);
+}
+
 /// Padding waste of the bucket policy if batch sizes 1..max are equally likely.
 double uniform_padding_waste(const Engine& e, int max) {
   double real = 0, run = 0;
@@ -160,6 +223,7 @@ void size_for_bench(const Config& cfg, const BenchOptions& o, bool size_kv, Engi
     std::int64_t blocks = 0;
     for (int b : o.batches) blocks = std::max(blocks, b * per_seq);
     blocks = std::max(blocks, (std::int64_t(o.long_prompt) + o.steps + 1 + opt.block_size - 1) / opt.block_size);
+    for (int n : o.prefill) blocks = std::max(blocks, (std::int64_t(n) + opt.block_size - 1) / opt.block_size);
     opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
   }
 }
@@ -173,6 +237,10 @@ void validate_bench(const Config& cfg, const EngineOptions& opt, const BenchOpti
   }
   if (o.long_prompt > 0)
     validate_request(cfg, opt, {SequenceRequest{std::vector<int>(o.long_prompt, 0), o.steps + 1}});
+  for (int n : o.prefill) {
+    if (n < 1) throw input_error("--bench-prefill: prompt lengths must be positive");
+    validate_request(cfg, opt, {SequenceRequest{std::vector<int>(n, 0), 0}});
+  }
 }
 
 /// The benchmark: batch-1 TPOT per mode and of the device loop against the bytes floor and the
@@ -268,6 +336,26 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
                o.long_prompt, steps, st.median / 1e3, mib(kv_bytes), floor_ms, st.median / 1e3 / floor_ms);
     out["bench"]["long_context"] = {{"prompt", o.long_prompt}, {"tpot_ms", st.median / 1e3},
                                     {"kv_bytes_per_step", kv_bytes}, {"bytes_floor_ms", floor_ms}};
+  }
+
+  if (!o.prefill.empty()) {
+    // Prefill against its compute floor: the prompt's FLOPs at cuBLAS's bf16 GEMM rate, measured now.
+    const double rate = gemm_rate(eng.stream());
+    fmt::print("\n## Prefill, {} ({}), chunks of up to {} tokens; warm, median of 5 runs\n"
+               "cuBLAS bf16 GEMM (8192^3, fp32 accumulate): {:.0f} TFLOP/s\n",
+               cfg.name, dev, eng.options().prefill_chunk, rate / 1e12);
+    out["bench"]["gemm_bf16_tflops"] = rate / 1e12;
+    for (int n : o.prefill) {
+      const auto st = prefill_ms(eng, n, o.seed + 5, 5);
+      const double flops = prefill_flops(cfg, n), floor_ms = flops / rate * 1e3;
+      fmt::print("prefill {} tokens: {:.2f} ms ({:.0f} tok/s), compute floor {:.2f} ms (x{:.2f}); {:.2f} TFLOP, "
+                 "{:.0f} TFLOP/s; p10 {:.2f} ms, p90 {:.2f} ms\n",
+                 n, st.median, n / (st.median * 1e-3), floor_ms, st.median / floor_ms, flops / 1e12,
+                 flops / (st.median * 1e-3) / 1e12, st.p10, st.p90);
+      out["bench"]["prefill"][std::to_string(n)] = {{"ms", st.median}, {"p10_ms", st.p10}, {"p90_ms", st.p90},
+                                                   {"tokens_per_s", n / (st.median * 1e-3)}, {"flops", flops},
+                                                   {"compute_floor_ms", floor_ms}, {"x_floor", st.median / floor_ms}};
+    }
   }
 
   replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT"});

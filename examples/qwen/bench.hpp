@@ -1,7 +1,8 @@
 // examples/qwen/bench.hpp: the `qwen --bench` benchmark: batch-1 TPOT per mode and of the device
 // loop against two floors measured in the same process (the bytes floor: the step's weights at the
 // device-to-device copy rate; the chain floor: a graph of one streaming-read kernel per matrix),
-// batch 1 after a long prompt, and batched throughput per bucket. Prints markdown tables and fills
+// batch 1 after a long prompt, prefill against its compute floor (its FLOPs at cuBLAS's bf16 GEMM
+// rate), and batched throughput per bucket. Prints markdown tables and fills
 // the "bench" object of the CLI's JSON.
 #pragma once
 
@@ -21,6 +22,7 @@ struct BenchOptions {
   std::uint64_t seed = 0;          ///< seed of the random prompts
   int steps = 128;                 ///< decode steps timed per measurement
   int long_prompt = 4096;          ///< prompt tokens of the long-context measurement (0: skip it)
+  std::vector<int> prefill;        ///< prompt lengths of the prefill measurement (empty: skip it)
   std::vector<int> batches;        ///< batch sizes of the throughput table
   std::vector<std::string> modes;  ///< "eager", "graph" or both, in that order
 };

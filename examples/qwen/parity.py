@@ -12,7 +12,10 @@ so both sides use the same bf16-rounded weights. Then:
 3. Free greedy generation (eager and graph, which must be identical): tokens equal the reference's
    until the first step whose reference margin is within tolerance (after it, sequences may diverge).
 
-Usage: python3 parity.py --bin build/examples/qwen/qwen [--out results.json]
+The prompt has 8 random tokens; with --long-prompt N it has N (prefilled in chunks of up to 2048
+tokens by the tensor-core prefill attention) and only the LONG_CONFIGS run.
+
+Usage: python3 parity.py --bin build/examples/qwen/qwen [--out results.json] [--long-prompt 4096]
 """
 import argparse
 import json
@@ -45,10 +48,14 @@ CONFIGS = {
 }
 
 
-def build(name, spec, root, seed):
+# The configs of a --long-prompt run: head_dim 64 with 2 query heads per kv head, and head_dim 128 with 4.
+LONG_CONFIGS = ["tied_hd64", "untied_hd128_sharded"]
+
+
+def build(name, spec, root, seed, max_positions):
     spec = dict(spec)
     shard = spec.pop("shard")
-    cfg = Qwen3Config(max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.02, **spec)
+    cfg = Qwen3Config(max_position_embeddings=max_positions, rms_norm_eps=1e-6, initializer_range=0.02, **spec)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -79,21 +86,22 @@ def run_bin(args):
     return r.stdout
 
 
-def check(name, spec, binary, root, seed):
-    path, ref, files = build(name, spec, root, seed)
+def check(name, spec, binary, root, seed, prompt_len=PROMPT):
+    context = max(256, prompt_len + STEPS + 8)  # --max-context of our runs
+    path, ref, files = build(name, spec, root, seed, max(1024, context))
     V = spec["vocab_size"]
     g = torch.Generator().manual_seed(seed + 1)
-    prompt = torch.randint(0, V, (PROMPT,), generator=g).tolist()
+    prompt = torch.randint(0, V, (prompt_len,), generator=g).tolist()
     with torch.no_grad():
         gen = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS,
-                           pad_token_id=0, eos_token_id=None)[0, PROMPT:].tolist()
+                           pad_token_id=0, eos_token_id=None)[0, prompt_len:].tolist()
         full = prompt + gen[: STEPS - 1]
-        ref_logits = ref(torch.tensor([full])).logits[0, PROMPT - 1:].double().numpy()  # [STEPS, V]
+        ref_logits = ref(torch.tensor([full])).logits[0, prompt_len - 1:].double().numpy()  # [STEPS, V]
     assert ref_logits.shape == (STEPS, V), ref_logits.shape
 
     dump = os.path.join(root, f"{name}.f32")
-    out = run_bin([binary, "--model", path, "--prompt", ",".join(map(str, full)), "--teacher-force", str(PROMPT),
-                   "--dump-logits", dump, "--mode", "both", "--max-context", "256", "--kv-mem-mb", "64"])
+    out = run_bin([binary, "--model", path, "--prompt", ",".join(map(str, full)), "--teacher-force", str(prompt_len),
+                   "--dump-logits", dump, "--mode", "both", "--max-context", str(context), "--kv-mem-mb", "64"])
     ours = np.fromfile(dump, dtype=np.float32).reshape(STEPS, V).astype(np.float64)
     rel = np.linalg.norm(ours - ref_logits, axis=1) / np.linalg.norm(ref_logits, axis=1)
 
@@ -107,7 +115,7 @@ def check(name, spec, binary, root, seed):
     # Free generation with our binary (eager and graph, checked identical by the binary itself).
     jpath = os.path.join(root, f"{name}.json")
     run_bin([binary, "--model", path, "--prompt", ",".join(map(str, prompt)), "--gen", str(STEPS), "--mode", "both",
-             "--json", jpath, "--max-context", "256", "--kv-mem-mb", "64", "--quiet"])
+             "--json", jpath, "--max-context", str(context), "--kv-mem-mb", "64", "--quiet"])
     res = json.load(open(jpath))
     free = res["graph"]["tokens"][0]
     free_ok = res.get("identical_tokens", False)
@@ -117,13 +125,13 @@ def check(name, spec, binary, root, seed):
 
     ok = rel.max() < TOL and greedy_bad == 0 and free_ok and not free_bad
     summary = {
-        "config": name, "files": files, "max_rel_l2": float(rel.max()), "median_rel_l2": float(np.median(rel)),
+        "config": name, "prompt": prompt_len, "files": files, "max_rel_l2": float(rel.max()), "median_rel_l2": float(np.median(rel)),
         "steps": STEPS, "decisive_steps": int(decisive.sum()), "greedy_mismatch_on_decisive": greedy_bad,
         "teacher_forced_argmax_agree": int(np.sum(ours_arg == ref_arg)),
         "free_greedy_first_divergence": first_diff, "free_eager_graph_identical": free_ok,
         "device": res.get("device"), "pass": bool(ok),
     }
-    print(f"[{name}] files={files}")
+    print(f"[{name}] files={files}, prompt {prompt_len} tokens")
     print(f"[{name}] teacher-forced rel L2: max {rel.max():.3e}, median {np.median(rel):.3e} over {STEPS} steps "
           f"(tol {TOL}); argmax agree {summary['teacher_forced_argmax_agree']}/{STEPS}, decisive steps "
           f"{int(decisive.sum())}, mismatches there {greedy_bad}")
@@ -139,6 +147,8 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="prompt tokens (random) before the teacher-forced steps; runs only the LONG_CONFIGS")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() // 2))
     import transformers
@@ -146,7 +156,10 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as root:
         for i, (name, spec) in enumerate(CONFIGS.items()):
-            results.append(check(name, spec, a.bin, root, a.seed + 10 * i))
+            if a.long_prompt > 0 and name in LONG_CONFIGS:
+                results.append(check(name, spec, a.bin, root, a.seed + 10 * i, prompt_len=a.long_prompt))
+            elif a.long_prompt == 0:
+                results.append(check(name, spec, a.bin, root, a.seed + 10 * i))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
