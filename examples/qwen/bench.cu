@@ -144,7 +144,7 @@ double chain_floor_ms(const Config& c, replay::stream_ref s) {
 }
 
 /// Padding waste of the bucket policy if batch sizes 1..max are equally likely.
-double uniform_padding_waste(const Engine& e, int max) {
+double uniform_padding_waste(const Decoder& e, int max) {
   double real = 0, run = 0;
   for (int n = 1; n <= max; ++n) real += n, run += e.bucket_for(n);
   return 1.0 - real / run;
@@ -160,7 +160,7 @@ void size_for_bench(const Config& cfg, const BenchOptions& o, bool size_kv, Engi
     std::int64_t blocks = 0;
     for (int b : o.batches) blocks = std::max(blocks, b * per_seq);
     blocks = std::max(blocks, (std::int64_t(o.long_prompt) + o.steps + 1 + opt.block_size - 1) / opt.block_size);
-    opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
+    opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * opt.block_bytes(cfg));
   }
 }
 
@@ -177,7 +177,7 @@ void validate_bench(const Config& cfg, const EngineOptions& opt, const BenchOpti
 
 /// The benchmark: batch-1 TPOT per mode and of the device loop against the bytes floor and the
 /// kernel-per-matrix chain floor (both measured now), batch 1 after a long prompt, batched throughput.
-void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json& out) {
+void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json& out) {
   const Config& cfg = eng.config();
   const auto& prompt = o.prompt;
   const int steps = o.steps;
@@ -296,7 +296,7 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
 }
 
 /// The memory report: weights, KV pool, buffers and the captured graphs, and the graph counters.
-void report_memory(const Engine& eng, bool quiet, json& out) {
+void report_memory(const Decoder& eng, bool quiet, json& out) {
   const auto gs = eng.graph_stats();
   out["memory"] = {{"weights_bytes", eng.weight_bytes()}, {"kv_pool_bytes", eng.kv_pool_bytes()},
                    {"buffers_bytes", eng.buffer_bytes()}, {"graphs_bytes", gs.graph_bytes}};
