@@ -12,7 +12,12 @@ so both sides use the same bf16-rounded weights. Then:
 3. Free greedy generation (eager and graph, which must be identical): tokens equal the reference's
    until the first step whose reference margin is within tolerance (after it, sequences may diverge).
 
-Usage: python3 parity.py --bin build/examples/qwen/qwen [--out results.json]
+With --tp N every run of the binary is tensor parallel over N GPUs (`qwen --tp N`): the same
+tolerances against the reference, and eager == graph at TP N. The test configs have 2 kv heads, so
+--tp 2 runs them all; a config whose heads, intermediate size or vocabulary do not split over N is
+skipped with a note.
+
+Usage: python3 parity.py --bin build/examples/qwen/qwen [--tp N] [--out results.json]
 """
 import argparse
 import json
@@ -79,7 +84,14 @@ def run_bin(args):
     return r.stdout
 
 
-def check(name, spec, binary, root, seed):
+def splits(spec, tp):
+    """Whether qwen --tp `tp` accepts this config (check_tp_split in options.hpp)."""
+    return all(spec[k] % tp == 0 for k in ("num_key_value_heads", "num_attention_heads", "intermediate_size",
+                                           "vocab_size")) and (spec["intermediate_size"] // tp) % 8 == 0
+
+
+def check(name, spec, binary, root, seed, tp=1):
+    tp_args = ["--tp", str(tp)] if tp > 1 else []
     path, ref, files = build(name, spec, root, seed)
     V = spec["vocab_size"]
     g = torch.Generator().manual_seed(seed + 1)
@@ -93,7 +105,7 @@ def check(name, spec, binary, root, seed):
 
     dump = os.path.join(root, f"{name}.f32")
     out = run_bin([binary, "--model", path, "--prompt", ",".join(map(str, full)), "--teacher-force", str(PROMPT),
-                   "--dump-logits", dump, "--mode", "both", "--max-context", "256", "--kv-mem-mb", "64"])
+                   "--dump-logits", dump, "--mode", "both", "--max-context", "256", "--kv-mem-mb", "64"] + tp_args)
     ours = np.fromfile(dump, dtype=np.float32).reshape(STEPS, V).astype(np.float64)
     rel = np.linalg.norm(ours - ref_logits, axis=1) / np.linalg.norm(ref_logits, axis=1)
 
@@ -107,7 +119,7 @@ def check(name, spec, binary, root, seed):
     # Free generation with our binary (eager and graph, checked identical by the binary itself).
     jpath = os.path.join(root, f"{name}.json")
     run_bin([binary, "--model", path, "--prompt", ",".join(map(str, prompt)), "--gen", str(STEPS), "--mode", "both",
-             "--json", jpath, "--max-context", "256", "--kv-mem-mb", "64", "--quiet"])
+             "--json", jpath, "--max-context", "256", "--kv-mem-mb", "64", "--quiet"] + tp_args)
     res = json.load(open(jpath))
     free = res["graph"]["tokens"][0]
     free_ok = res.get("identical_tokens", False)
@@ -117,13 +129,13 @@ def check(name, spec, binary, root, seed):
 
     ok = rel.max() < TOL and greedy_bad == 0 and free_ok and not free_bad
     summary = {
-        "config": name, "files": files, "max_rel_l2": float(rel.max()), "median_rel_l2": float(np.median(rel)),
+        "config": name, "tp": tp, "files": files, "max_rel_l2": float(rel.max()), "median_rel_l2": float(np.median(rel)),
         "steps": STEPS, "decisive_steps": int(decisive.sum()), "greedy_mismatch_on_decisive": greedy_bad,
         "teacher_forced_argmax_agree": int(np.sum(ours_arg == ref_arg)),
         "free_greedy_first_divergence": first_diff, "free_eager_graph_identical": free_ok,
         "device": res.get("device"), "pass": bool(ok),
     }
-    print(f"[{name}] files={files}")
+    print(f"[{name}] files={files}" + (f", tensor parallel over {tp} GPUs" if tp > 1 else ""))
     print(f"[{name}] teacher-forced rel L2: max {rel.max():.3e}, median {np.median(rel):.3e} over {STEPS} steps "
           f"(tol {TOL}); argmax agree {summary['teacher_forced_argmax_agree']}/{STEPS}, decisive steps "
           f"{int(decisive.sum())}, mismatches there {greedy_bad}")
@@ -139,6 +151,7 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="run the binary tensor parallel over N GPUs (qwen --tp N)")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() // 2))
     import transformers
@@ -146,11 +159,14 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as root:
         for i, (name, spec) in enumerate(CONFIGS.items()):
-            results.append(check(name, spec, a.bin, root, a.seed + 10 * i))
+            if not splits(spec, a.tp):
+                print(f"[{name}] skipped: does not split over --tp {a.tp}")
+                continue
+            results.append(check(name, spec, a.bin, root, a.seed + 10 * i, a.tp))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
-    ok = all(r["pass"] for r in results)
+    ok = bool(results) and all(r["pass"] for r in results)
     print("PARITY", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 
