@@ -93,7 +93,22 @@ struct TpEngine::Impl {
 
   void start_workers() {
     errors.assign(static_cast<std::size_t>(tp), nullptr);
-    for (int r = 0; r < tp; ++r) threads.emplace_back([this, r] { worker(r); });
+    try {
+      for (int r = 0; r < tp; ++r) threads.emplace_back([this, r] { worker(r); });
+    } catch (...) {
+      stop_workers();
+      throw;
+    }
+  }
+
+  void stop_workers() noexcept {
+    {
+      const std::lock_guard lock(mu);
+      quit = true;
+    }
+    work_cv.notify_all();
+    for (auto& t : threads) t.join();
+    threads.clear();
   }
 
   /// Posts f to every worker and waits for all. A failure other than input_error on any rank aborts
@@ -154,12 +169,7 @@ struct TpEngine::Impl {
       if (!engines.empty() && engines[0]) engines[0]->kv().clear_followers();
       const std::function<void(int)> destroy = [this](int r) { engines[static_cast<std::size_t>(r)].reset(); };
       (void)post(destroy);
-      {
-        const std::lock_guard lock(mu);
-        quit = true;
-      }
-      work_cv.notify_all();
-      for (auto& t : threads) t.join();
+      stop_workers();
     }
     engines.clear();
     replay::destroy_all(agree);
