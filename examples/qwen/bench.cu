@@ -1,10 +1,13 @@
 // examples/qwen/bench.cu: the `qwen --bench` benchmark (bench.hpp): its floors (the D2D copy rate,
 // a read-only streaming kernel, the kernel-per-matrix chain of streaming reads, cuBLAS's bf16 GEMM
-// rate for prefill) and its tables.
+// rate for prefill), its tables, and with --tp the step's collectives alone.
 #include "bench.hpp"
 
 #include "device.cuh"
 #include "schedule.hpp"
+#if QWEN_WITH_NCCL
+#  include "tp.hpp"
+#endif
 
 #include <common/device.hpp>
 #include <common/report.hpp>
@@ -16,10 +19,13 @@
 
 #include <cublas_v2.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <map>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -190,7 +196,7 @@ double prefill_flops(const Config& c, int n) {
 /// Host wall time (ms) of Engine::prefill of n random tokens into a fresh sequence, through the
 /// returned token: median of `reps` runs after one warm-up run (one-time costs such as loading
 /// cuBLAS's kernels are paid there, as llama-bench does).
-replay_examples::stats prefill_ms(Engine& eng, int n, std::uint64_t seed, int reps) {
+replay_examples::stats prefill_ms(Decoder& eng, int n, std::uint64_t seed, int reps) {
   const std::vector<int> p = random_prompt(n, eng.config().vocab_size, seed);
   auto& book = eng.kv();
   const int slot = book.acquire_slot();
@@ -206,8 +212,46 @@ replay_examples::stats prefill_ms(Engine& eng, int n, std::uint64_t seed, int re
   return replay_examples::summarize(ms);
 }
 
+#if QWEN_WITH_NCCL
+/// Tensor parallel: the GPU time of one decode step's collectives alone at `rows` rows, in ms: a graph
+/// of the greedy step's collectives, in its order and sizes (2 x layers in-place sums of rows x
+/// hidden floats, then the max of rows argmax keys), captured on every rank and replayed on all
+/// at once; rank 0's median of 20 replays.
+double step_collectives_ms(TpEngine& tp, int rows) {
+  const Config& c = tp.config();
+  std::vector<double> ms(static_cast<std::size_t>(tp.tp()));
+  tp.for_each_rank([&](int r, Engine& e) {
+    const replay::nccl_comm_ref comm = tp.comm(r);
+    const replay::stream_ref s = e.stream();
+    replay::device_buffer<float> x(std::size_t(rows) * c.hidden_size);
+    replay::device_buffer<std::uint64_t> keys(static_cast<std::size_t>(rows));
+    REPLAY_CHECK(cudaMemsetAsync(x.data(), 0, x.size_bytes(), s.get()));
+    REPLAY_CHECK(cudaMemsetAsync(keys.data(), 0, keys.size_bytes(), s.get()));
+    const auto exec = replay::capture(s, [&](replay::stream_ref cs) {
+                        for (int l = 0; l < 2 * c.num_hidden_layers; ++l)
+                          replay::all_reduce(comm, x.data(), x.data(), x.size(), ncclSum, cs);
+                        replay::all_reduce(comm, keys.data(), keys.data(), keys.size(), ncclMax, cs);
+                      }).instantiate({.upload_stream = s.get()});
+    ms[static_cast<std::size_t>(r)] = replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); });
+  });
+  return ms[0];
+}
+#endif
+
+/// The D2D copy rate of every GPU the engine uses (one at --tp 1), measured now.
+std::vector<double> d2d_per_device(Decoder& eng) {
+#if QWEN_WITH_NCCL
+  if (auto* tp = dynamic_cast<TpEngine*>(&eng)) {
+    std::vector<double> bw(static_cast<std::size_t>(tp->tp()));
+    tp->for_each_rank([&](int r, Engine& e) { bw[static_cast<std::size_t>(r)] = d2d_bandwidth(e.stream()); });
+    return bw;
+  }
+#endif
+  return {d2d_bandwidth(eng.stream())};
+}
+
 /// Padding waste of the bucket policy if batch sizes 1..max are equally likely.
-double uniform_padding_waste(const Engine& e, int max) {
+double uniform_padding_waste(const Decoder& e, int max) {
   double real = 0, run = 0;
   for (int n = 1; n <= max; ++n) real += n, run += e.bucket_for(n);
   return 1.0 - real / run;
@@ -224,7 +268,7 @@ void size_for_bench(const Config& cfg, const BenchOptions& o, bool size_kv, Engi
     for (int b : o.batches) blocks = std::max(blocks, b * per_seq);
     blocks = std::max(blocks, (std::int64_t(o.long_prompt) + o.steps + 1 + opt.block_size - 1) / opt.block_size);
     for (int n : o.prefill) blocks = std::max(blocks, (std::int64_t(n) + opt.block_size - 1) / opt.block_size);
-    opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * kv_block_bytes(cfg, opt.block_size));
+    opt.kv_budget_bytes = std::max(opt.kv_budget_bytes, std::size_t(blocks + 2) * opt.block_bytes(cfg));
   }
 }
 
@@ -245,7 +289,7 @@ void validate_bench(const Config& cfg, const EngineOptions& opt, const BenchOpti
 
 /// The benchmark: batch-1 TPOT per mode and of the device loop against the bytes floor and the
 /// kernel-per-matrix chain floor (both measured now), batch 1 after a long prompt, batched throughput.
-void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json& out) {
+void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json& out) {
   const Config& cfg = eng.config();
   const auto& prompt = o.prompt;
   const int steps = o.steps;
@@ -255,24 +299,41 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
     const std::size_t n = eng.prewarm_graphs();  // every bucket captured up front, largest first
     fmt::print("prewarm: {} graphs captured in {:.1f} ms\n", n, sw.elapsed_ms());
   }
-  const double bw = d2d_bandwidth(eng.stream());
-  const double wbytes = static_cast<double>(cfg.decode_weight_bytes());
-  fmt::print("\n## Batch-1 decode, {} ({}), {} prompt tokens, {} steps\n", cfg.name, dev, prompt.size(), steps);
-  const double rbw = read_bandwidth(eng.stream());
-  fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
-             mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
-  fmt::print("read-only streaming kernel: {:.0f} GB/s ({:.1f}% of D2D); at that rate the weights take {:.3f} ms\n",
-             rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
-  const double chain_ms = chain_floor_ms(cfg, eng.stream());
+  // Tensor parallel (--tp N): each GPU reads its share of the weights per step (wbytes) at its own
+  // D2D rate, so wbytes / TPOT against the mean per-GPU rate is the share of the aggregate D2D
+  // bandwidth; the single-GPU floors (read-only kernel, chain) are skipped.
+  const int tp = eng.options().tp_size;
+  const std::vector<double> bws = d2d_per_device(eng);
+  const double bw = std::accumulate(bws.begin(), bws.end(), 0.0) / static_cast<double>(bws.size());
+  const double wbytes = static_cast<double>(cfg.decode_weight_bytes(tp));
+  const char* pct = tp > 1 ? "% of aggregate D2D" : "% of D2D";
+  out["bench"]["tp_size"] = tp;
+  fmt::print("\n## Batch-1 decode, {} ({}{}), {} prompt tokens, {} steps\n", cfg.name, dev,
+             tp > 1 ? fmt::format(" x {}, tensor parallel", tp) : std::string(), prompt.size(), steps);
+  std::vector<long> gbps;
+  for (double b : bws) gbps.push_back(static_cast<long>(b / 1e9 + 0.5));
+  if (tp > 1)
+    fmt::print("weights read per step per GPU: {:.1f} MiB; D2D copy bandwidth per GPU: {:.0f} GB/s (mean of {} GB/s; "
+               "read + write); bytes floor {:.3f} ms\n",
+               mib(wbytes), bw / 1e9, fmt::join(gbps, ", "), wbytes / bw * 1e3);
+  else
+    fmt::print("weights read per step: {:.1f} MiB; D2D copy bandwidth: {:.0f} GB/s (read + write); bytes floor {:.3f} ms\n",
+               mib(wbytes), bw / 1e9, wbytes / bw * 1e3);
+  const double rbw = tp == 1 ? read_bandwidth(eng.stream()) : 0.0;
+  if (rbw > 0)
+    fmt::print("read-only streaming kernel: {:.0f} GB/s ({:.1f}% of D2D); at that rate the weights take {:.3f} ms\n",
+               rbw / 1e9, 100.0 * rbw / bw, wbytes / rbw * 1e3);
+  const double chain_ms = tp == 1 ? chain_floor_ms(cfg, eng.stream()) : 0.0;
   if (chain_ms > 0)
     fmt::print("kernel-per-matrix chain floor (a graph of {} streaming-read kernels with this step's matrix sizes, "
                "PDL): {:.3f} ms\n",
                5 * cfg.num_hidden_layers + 1, chain_ms);
-  else
+  else if (tp == 1)
     fmt::print("kernel-per-matrix chain floor: skipped (no device memory for a copy of the weights)\n");
-  replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", "% of D2D",
+  replay_examples::table t({"mode", "TPOT median (ms)", "p10 (ms)", "p90 (ms)", "tokens/s", pct,
                             "x bytes floor", "x chain floor"});
   double tpot_graph_ms = 0;
+  std::map<std::string, double> tpot_ms;  // per mode
   auto add_tpot_row = [&](const std::string& name, const replay_examples::stats& st) {
     const double tpot = st.median * 1e-6;
     t.add_row({name, fmt::format("{:.3f}", st.median / 1e3), fmt::format("{:.3f}", st.p10 / 1e3),
@@ -289,9 +350,10 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
     const auto r = run_schedule(eng, one, {0}, m == "graph", false);
     const auto st = replay_examples::summarize(r.step_us);
     if (m == "graph") tpot_graph_ms = st.median / 1e3;
+    tpot_ms[m] = st.median / 1e3;
     add_tpot_row(m, st);
   }
-  if (tpot_graph_ms > 0) {
+  if (tpot_graph_ms > 0 && tp == 1) {  // the device loop runs on one GPU
     // The device loop at K = 1 and K = 16 tokens per launch: per token, the host wall time of a
     // launch (push, launch, read back) over the tokens it produced; `steps` samples each (the same
     // sequence rerun as often as needed), median.
@@ -317,11 +379,14 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
     out["bench"]["loop_fit"] = {{"device_us_per_token", d}, {"host_us_per_launch", h}};
   }
   out["bench"]["d2d_GBps"] = bw / 1e9;
-  out["bench"]["read_GBps"] = rbw / 1e9;
+  if (rbw > 0) out["bench"]["read_GBps"] = rbw / 1e9;
   out["bench"]["bytes_floor_ms"] = wbytes / bw * 1e3;
   if (chain_ms > 0) out["bench"]["chain_floor_ms"] = chain_ms;
   out["bench"]["weight_bytes_per_step"] = wbytes;
   fmt::print("{}", t.markdown());
+  if (tpot_ms.size() == 2)
+    fmt::print("eager vs graph TPOT: {:.3f} ms vs {:.3f} ms (graph {:.2f}x faster)\n", tpot_ms["eager"],
+               tpot_ms["graph"], tpot_ms["eager"] / tpot_ms["graph"]);
 
   if (o.long_prompt > 0) {
     // Batch 1 after a long prompt: each step also reads the sequence's K/V (every layer, K and V).
@@ -376,6 +441,34 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
     }
   }
   fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());
+#if QWEN_WITH_NCCL
+  if (auto* tpe = dynamic_cast<TpEngine*>(&eng)) {
+    // The step's collectives alone, per bucket the bench ran, against that bucket's graph step.
+    replay_examples::table tc({"bucket", "collectives (ms)", "graph step (ms)", "share"});
+    std::vector<int> bs{1};
+    for (int b : o.batches) bs.push_back(eng.bucket_for(b));
+    std::sort(bs.begin(), bs.end());
+    bs.erase(std::unique(bs.begin(), bs.end()), bs.end());
+    json& jt = out["bench"]["tp"];
+    jt["tp"] = tp;
+    for (double b : bws) jt["d2d_GBps_per_device"].push_back(b / 1e9);
+    jt["weight_bytes_per_rank"] = wbytes;
+    for (int b : bs) {
+      const double cms = step_collectives_ms(*tpe, b);
+      double step_ms = b == 1 ? tpot_graph_ms : 0.0;
+      for (int n : o.batches)
+        if (eng.bucket_for(n) == b && out["bench"]["batched"].contains("graph"))
+          step_ms = out["bench"]["batched"]["graph"][std::to_string(n)]["step_ms"].get<double>();
+      tc.add_row({std::to_string(b), fmt::format("{:.3f}", cms), step_ms > 0 ? fmt::format("{:.3f}", step_ms) : "-",
+                  step_ms > 0 ? fmt::format("{:.1f}%", 100.0 * cms / step_ms) : "-"});
+      jt["collectives_ms"][std::to_string(b)] = cms;
+      if (step_ms > 0) jt["collectives_share"][std::to_string(b)] = cms / step_ms;
+    }
+    fmt::print("\n## Tensor parallel over {} GPUs: one step's collectives alone ({} all-reduces of rows x {} fp32 "
+               "and one max of rows argmax keys, a graph, median)\n{}",
+               tp, 2 * cfg.num_hidden_layers, cfg.hidden_size, tc.markdown());
+  }
+#endif
   const int largest = eng.buckets().back();
   const double waste = uniform_padding_waste(eng, largest);
   fmt::print("bucket policy: powers of two up to {}; padding waste for batch sizes 1..{} equally likely: {:.1f}%\n",
@@ -384,7 +477,7 @@ void run_bench(Engine& eng, const BenchOptions& o, const std::string& dev, json&
 }
 
 /// The memory report: weights, KV pool, buffers and the captured graphs, and the graph counters.
-void report_memory(const Engine& eng, bool quiet, json& out) {
+void report_memory(const Decoder& eng, bool quiet, json& out) {
   const auto gs = eng.graph_stats();
   out["memory"] = {{"weights_bytes", eng.weight_bytes()}, {"kv_pool_bytes", eng.kv_pool_bytes()},
                    {"buffers_bytes", eng.buffer_bytes()}, {"graphs_bytes", gs.graph_bytes}};

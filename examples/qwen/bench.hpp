@@ -37,10 +37,10 @@ void validate_bench(const Config& cfg, const EngineOptions& opt, const BenchOpti
 
 /// Runs the benchmark on `eng` (`device`: the GPU's name, for the headings) and writes its figures
 /// under out["bench"].
-void run_bench(Engine& eng, const BenchOptions& o, const std::string& device, nlohmann::json& out);
+void run_bench(Decoder& eng, const BenchOptions& o, const std::string& device, nlohmann::json& out);
 
 /// The memory report: weights, KV pool, buffers and the captured graphs (printed unless `quiet`),
 /// and the graph counters and pool statistics (out["memory"], out["pool"], out["graphs"]).
-void report_memory(const Engine& eng, bool quiet, nlohmann::json& out);
+void report_memory(const Decoder& eng, bool quiet, nlohmann::json& out);
 
 }  // namespace qwen

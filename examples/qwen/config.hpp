@@ -66,10 +66,14 @@ struct Config {
     return n;
   }
   /// Bytes of bf16 weights a batch-1 decode step must read: every layer matrix, the final norm, the
-  /// lm_head, and one embedding row.
-  [[nodiscard]] std::int64_t decode_weight_bytes() const {
+  /// lm_head, and one embedding row. With `tp` ranks, what one rank reads: its share of every layer
+  /// matrix and of the lm_head (the norms and the embedding row are replicated).
+  [[nodiscard]] std::int64_t decode_weight_bytes(int tp = 1) const {
     const std::int64_t v = vocab_size, h = hidden_size;
-    return 2 * (num_hidden_layers * layer_params() + h + v * h + h);
+    std::int64_t mats = 0;
+    for (const auto& m : layer_matrices()) mats += m.params();
+    const std::int64_t norms = layer_params() - mats;
+    return 2 * (num_hidden_layers * (mats / tp + norms) + h + v / tp * h + h);
   }
   /// All parameters stored (embedding, layers, norm, untied lm_head if any).
   [[nodiscard]] std::int64_t total_params() const {
@@ -124,7 +128,7 @@ struct Config {
 
 /// The names preset() knows.
 inline std::vector<std::string> preset_names() {
-  return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "tiny", "tiny-hd128"};
+  return {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "tiny", "tiny-hd128"};
 }
 
 /// Presets with the shapes of the released Qwen3 models, plus two tiny test shapes (tiny-hd128: head_dim
@@ -150,6 +154,9 @@ inline Config preset(const std::string& name) {
     c.tie_word_embeddings = false;
   } else if (name == "qwen3-14b") {  // 40 query heads over 8 kv heads: 5 per group
     c.hidden_size = 5120, c.intermediate_size = 17408, c.num_hidden_layers = 40, c.num_attention_heads = 40;
+    c.tie_word_embeddings = false;
+  } else if (name == "qwen3-32b") {  // 64 query heads over 8 kv heads: 8 per group
+    c.hidden_size = 5120, c.intermediate_size = 25600, c.num_hidden_layers = 64, c.num_attention_heads = 64;
     c.tie_word_embeddings = false;
   } else if (name == "tiny") {
     c.vocab_size = 1024, c.hidden_size = 256, c.intermediate_size = 512, c.num_hidden_layers = 4;

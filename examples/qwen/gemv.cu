@@ -152,9 +152,9 @@ constexpr int kNoRow = 0x7fffffff;  // an argmax candidate's row before the warp
 /// argmax epilogue of a GEMV block: each warp's best (value, row), then one atomicMax of the block's
 /// best key. Every thread of the block calls it; best_i == kNoRow: the warp had no row.
 __device__ __forceinline__ void gemv_argmax_block(float best_v, int best_i, unsigned long long (&red_key)[kGemvWarps],
-                                                  unsigned long long* keys) {
+                                                  unsigned long long* keys, int index0) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (lane == 0) red_key[warp] = best_i == kNoRow ? 0ull : argmax_key(best_v, best_i);
+  if (lane == 0) red_key[warp] = best_i == kNoRow ? 0ull : argmax_key(best_v, best_i + index0);
   __syncthreads();
   if (tid == 0) {
     unsigned long long k = 0;
@@ -179,7 +179,7 @@ __device__ __forceinline__ void gemv_argmax_block(float best_v, int best_i, unsi
 template <gemv_out MODE, bool NORM, int U, int PRE>
 __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16* __restrict__ W, int N, int K,
                                                                     GemvIn in, float* y_f32, bf16* y_bf16,
-                                                                    unsigned long long* keys) {
+                                                                    unsigned long long* keys, int index0) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
   constexpr int kChunk = 256 * U;  // weights per row per chunk (a warp's U loads per lane)
   extern __shared__ uint4 smem_u4[];
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_pipelined_kernel(const bf16
       step();
     }
   }
-  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block(best_v, best_i, red_key, keys);
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block(best_v, best_i, red_key, keys, index0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ constexpr std::size_t kRingSmemBudget = 100 * 1024;  // dynamic shared memory pe
 template <gemv_out MODE, bool NORM>
 __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __restrict__ W, int N, int K, GemvIn in,
                                                                  float* y_f32, bf16* y_bf16, unsigned long long* keys,
-                                                                 int slots) {
+                                                                 int index0, int slots) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
   constexpr int kSlotElems = R * kRingPiece;
   extern __shared__ uint4 smem_u4[];
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
     }
     if (++s == slots) s = 0, parity ^= 1u;
   }
-  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block(best_v, best_i, red_key, keys);
+  if constexpr (MODE == gemv_out::argmax) gemv_argmax_block(best_v, best_i, red_key, keys, index0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -452,7 +452,7 @@ __device__ __forceinline__ float rms_scale(const float (&ss)[B * kStageWarps<B>]
 template <int B, gemv_out MODE, bool NORM>
 __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_constant__ CUtensorMap wmap, int N, int K,
                                                                 GemvIn in, float* y_f32, bf16* y_bf16, int ldy,
-                                                                unsigned long long* keys, int piece) {
+                                                                unsigned long long* keys, int index0, int piece) {
   constexpr int R = MODE == gemv_out::silu_mul ? 2 : 1;
   constexpr int MT = (B + 15) / 16;                               // 16-row batch tiles
   constexpr int kOut = MT * 128;                                  // outputs of a tile (with padded batch rows)
@@ -594,7 +594,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const __grid_con
     for (int j = 0; j < kPer; ++j) {
       const int e = tid + j * kGemvThreads;
       const int b = (e / 128) * 16 + ((e / 4) % 32 >> 2) + (e % 4 >= 2 ? 8 : 0);
-      if (best_i[j] != kNoRow) atomicMax(skeys + b, argmax_key(best_v[j], best_i[j]));
+      if (best_i[j] != kNoRow) atomicMax(skeys + b, argmax_key(best_v[j], best_i[j] + index0));
     }
     __syncthreads();
     if (tid < B && skeys[tid] != 0) atomicMax(keys + tid, skeys[tid]);
@@ -611,13 +611,16 @@ std::size_t mma_shared_bytes(int rows, int K, int R, int piece, int slots) {
 
 constexpr std::size_t kMaxStageBytes = 200 * 1024;  // x of the batch-1 GEMVs in shared memory: K bf16 at most
 
-/// Calls f(kernel) with the instance of `Pick<MODE, NORM>` for the runtime mode. NORM is on for the
-/// projections that read the residual (QKV, gate/up, lm_head) and off for those that read a bf16
-/// activation (O, down).
+/// Calls f(kernel) with the instance of `Pick<MODE, NORM>` for the runtime mode and input. NORM is on
+/// for the projections that read the residual (QKV, gate/up, lm_head) and off for those that read a
+/// bf16 activation (O, down): add_f32 reads a bf16 activation; store_f32 reads either (a bf16 one on
+/// the tensor-parallel ranks that store their partial O and down products); the others the residual.
 template <template <gemv_out, bool> class Pick, class F>
-void by_mode(gemv_out mode, F&& f) {
+void by_mode(gemv_out mode, bool norm, F&& f) {
   switch (mode) {
-    case gemv_out::store_f32: return f(Pick<gemv_out::store_f32, true>::kernel);
+    case gemv_out::store_f32:
+      if (!norm) return f(Pick<gemv_out::store_f32, false>::kernel);
+      return f(Pick<gemv_out::store_f32, true>::kernel);
     case gemv_out::silu_mul: return f(Pick<gemv_out::silu_mul, true>::kernel);
     case gemv_out::argmax: return f(Pick<gemv_out::argmax, true>::kernel);
     case gemv_out::add_f32: return f(Pick<gemv_out::add_f32, false>::kernel);
@@ -642,14 +645,14 @@ struct Mma {
     static constexpr auto kernel = gemv_mma_kernel<B, M, N>;
   };
 };
-/// The tensor-core GEMV's instance for (rows, mode), rows 2 to 16.
+/// The tensor-core GEMV's instance for (rows, mode, norm), rows 2 to 16.
 template <class F>
-void with_mma(int rows, gemv_out mode, F&& f) {
+void with_mma(int rows, gemv_out mode, bool norm, F&& f) {
   switch (rows) {
-    case 2: return by_mode<Mma<2>::at>(mode, f);
-    case 4: return by_mode<Mma<4>::at>(mode, f);
-    case 8: return by_mode<Mma<8>::at>(mode, f);
-    case 16: return by_mode<Mma<16>::at>(mode, f);
+    case 2: return by_mode<Mma<2>::at>(mode, norm, f);
+    case 4: return by_mode<Mma<4>::at>(mode, norm, f);
+    case 8: return by_mode<Mma<8>::at>(mode, norm, f);
+    case 16: return by_mode<Mma<16>::at>(mode, norm, f);
     default: throw replay::usage_error("qwen::gemv: rows must be 2, 4, 8 or 16 for the tensor-core GEMV");
   }
 }
@@ -659,8 +662,9 @@ void check_linear(const Linear& op, int rows) {
     throw replay::usage_error("qwen::gemv: needs W, N >= 1 and K a positive multiple of 8");
   if (reinterpret_cast<std::uintptr_t>(op.W) % 16 != 0)
     throw replay::usage_error("qwen::gemv: W must be 16-byte aligned");
-  if ((op.in.norm_w != nullptr) != (op.mode != gemv_out::add_f32))
-    throw replay::usage_error("qwen::gemv: residual-add projections read bf16 x; the others the normalised residual");
+  if (op.mode != gemv_out::store_f32 && (op.in.norm_w != nullptr) != (op.mode != gemv_out::add_f32))
+    throw replay::usage_error("qwen::gemv: residual-add projections read bf16 x; silu_mul and argmax the normalised "
+                              "residual");
   if (rows <= kGemvMaxRows && std::size_t(rows) * op.K * sizeof(bf16) > kMaxStageBytes)
     throw replay::usage_error("qwen::gemv: rows * K too large for the shared-memory stage");
 }
@@ -741,8 +745,9 @@ GemvPlan plan_gemv(const Linear& op, int rows, int num_sms) {
   auto occupancy = [&](auto kernel) {
     REPLAY_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, p.shared_bytes));
   };
-  if (deep) by_mode<PipelinedDeep>(op.mode, occupancy);
-  else by_mode<Pipelined>(op.mode, occupancy);
+  const bool norm = op.in.norm_w != nullptr;
+  if (deep) by_mode<PipelinedDeep>(op.mode, norm, occupancy);
+  else by_mode<Pipelined>(op.mode, norm, occupancy);
   // The grid is capped at what is resident at once, so x is staged once per resident block.
   const int cap = (per_sm < 1 ? 1 : per_sm) * num_sms;
   const int want = (op.N + kGemvWarps - 1) / kGemvWarps;
@@ -756,18 +761,22 @@ void launch_gemv(const Linear& op, int rows, const GemvPlan& plan, replay::strea
                                 .shared_bytes = plan.shared_bytes, .stream = s, .pdl = true};
   if (plan.kind != GemvPlan::kernel::mma && rows != 1)
     throw replay::usage_error("qwen::launch_gemv: the CUDA-core GEMVs serve 1 row");
-  auto pipelined = [&](auto k) { replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.keys); };
+  const bool norm = op.in.norm_w != nullptr;
+  auto pipelined = [&](auto k) {
+    replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.keys, op.index0);
+  };
   switch (plan.kind) {
     case GemvPlan::kernel::ring:
-      by_mode<Ring>(op.mode, [&](auto k) {
-        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.keys, plan.slots);
+      by_mode<Ring>(op.mode, norm, [&](auto k) {
+        replay::launch(k, c, op.W, op.N, op.K, op.in, op.y_f32, op.y_bf16, op.keys, op.index0, plan.slots);
       });
       break;
-    case GemvPlan::kernel::pipelined: by_mode<Pipelined>(op.mode, pipelined); break;
-    case GemvPlan::kernel::pipelined_deep: by_mode<PipelinedDeep>(op.mode, pipelined); break;
+    case GemvPlan::kernel::pipelined: by_mode<Pipelined>(op.mode, norm, pipelined); break;
+    case GemvPlan::kernel::pipelined_deep: by_mode<PipelinedDeep>(op.mode, norm, pipelined); break;
     case GemvPlan::kernel::mma:
-      with_mma(rows, op.mode, [&](auto k) {
-        replay::launch(k, c, op.wmap[plan.wmap], op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, plan.piece);
+      with_mma(rows, op.mode, norm, [&](auto k) {
+        replay::launch(k, c, op.wmap[plan.wmap], op.N, op.K, op.in, op.y_f32, op.y_bf16, op.ldy, op.keys, op.index0,
+                       plan.piece);
       });
       break;
   }
@@ -814,12 +823,17 @@ void init_gemv_attributes() {
                                         static_cast<int>(cudaSharedmemCarveoutMaxShared)));
     };
   };
-  for (gemv_out m : {gemv_out::store_f32, gemv_out::silu_mul, gemv_out::argmax, gemv_out::add_f32}) {
-    by_mode<Ring>(m, attrs(kMaxStageBytes));
-    by_mode<Pipelined>(m, attrs(kMaxStageBytes));
-    by_mode<PipelinedDeep>(m, attrs(kMaxStageBytes));
-    for (int rows : {2, 4, 8, 16}) with_mma(rows, m, attrs(kMmaSmemMax));
-  }
+  auto instances = [&](gemv_out m, bool norm) {
+    by_mode<Ring>(m, norm, attrs(kMaxStageBytes));
+    by_mode<Pipelined>(m, norm, attrs(kMaxStageBytes));
+    by_mode<PipelinedDeep>(m, norm, attrs(kMaxStageBytes));
+    for (int rows : {2, 4, 8, 16}) with_mma(rows, m, norm, attrs(kMmaSmemMax));
+  };
+  instances(gemv_out::store_f32, true);
+  instances(gemv_out::store_f32, false);
+  instances(gemv_out::silu_mul, true);
+  instances(gemv_out::argmax, true);
+  instances(gemv_out::add_f32, false);
 }
 
 }  // namespace qwen

@@ -59,12 +59,13 @@ struct KvPool {
 inline constexpr int kGemvMaxRows = 1;
 inline constexpr int kMmaMaxRows = 16;
 
-/// What the fused GEMV does with y = W·x (per batch row b, output row n).
+/// What the fused GEMV does with y = W·x (per batch row b, output row n). Every output element
+/// has one writer (a warp's lane 0, or one thread of the tensor-core epilogue).
 enum class gemv_out {
-  store_f32,  ///< y_f32[b][n] = acc
+  store_f32,  ///< y_f32[b][n] = acc (x: the normalised residual, or a bf16 activation)
   add_f32,    ///< y_f32[b][n] += acc (residual add)
   silu_mul,   ///< W holds [gate; up] (2N rows): y_bf16[b][n] = silu(gate_n) * up_n
-  argmax,     ///< y_f32[b][n] = acc (logits) and keys[b] = max over n of (value, lowest index)
+  argmax,     ///< y_f32[b][n] = acc (logits) and keys[b] = max over n of (value, lowest index + index0)
 };
 
 /// Input of the fused GEMV: x (bf16, [rows][K]) as is, or the fp32 residual RMS-normalised with
@@ -86,6 +87,7 @@ struct Linear {
   bf16* y_bf16 = nullptr;              ///< silu_mul
   int ldy = 0;                         ///< elements between batch rows of y
   unsigned long long* keys = nullptr;  ///< argmax: one packed key per batch row
+  int index0 = 0;                      ///< argmax: the index of W's row 0 in the keys (a vocabulary shard's start)
   /// W's tensor maps for the tensor-core GEMV (make_weight_maps): boxes of 8 rows by 1024, 512 and
   /// 256 weights (at most K). Host copies of 128-byte descriptors, passed to the kernel by value.
   CUtensorMap wmap[3] = {};
@@ -169,6 +171,11 @@ void init_prefill_attention_attributes();
 
 /// Deterministic uniform(-scale, scale) fill from (seed, index): the random initialisation.
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s);
+/// The [rows][cols] block at (row0, col0) of the [.][ld] tensor that launch_fill_random(seed, scale)
+/// fills, written densely to p: the same values, so a tensor-parallel shard is a slice of the tensor
+/// one GPU would hold.
+void launch_fill_random_slice(bf16* p, std::size_t rows, std::size_t cols, std::size_t ld, std::size_t row0,
+                              std::size_t col0, std::uint64_t seed, float scale, replay::stream_ref s);
 void launch_fill_const(bf16* p, std::size_t n, float value, replay::stream_ref s);
 /// RoPE table: rope[pos][i] = (cos, sin)(pos * theta^(-2i/head_dim)), i < head_dim/2, fp32 as HF computes it.
 void launch_rope_table(float2* rope, int max_pos, int head_dim, double theta, replay::stream_ref s);
@@ -180,8 +187,13 @@ void launch_rmsnorm(const float* residual, const bf16* w, int hidden, float eps,
                     replay::stream_ref s);
 /// act[r][n] = bf16(silu(gu[r][n]) * gu[r][N + n]).
 void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream_ref s);
-/// keys[r] = argmax of logits[r][0..V) packed as (orderable value << 32 | ~index).
-void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s);
+/// keys[r] = argmax of logits[r][0..V) packed as (orderable value << 32 | ~(index + index0)).
+void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s,
+                   int index0 = 0);
+/// Tensor parallel, sampling: logits[r][k * shard + j] = gathered[k][r][j] for k < tp, r < rows,
+/// j < shard (the all-gathered vocabulary shards of `tp` ranks, each [rows][shard], into rows of
+/// tp * shard logits).
+void launch_unshard_logits(const float* gathered, int tp, int rows, int shard, float* logits, replay::stream_ref s);
 
 /// Decodes a packed argmax key into the token id (host and device).
 __host__ __device__ inline int key_to_token(unsigned long long key) {

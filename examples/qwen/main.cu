@@ -9,11 +9,15 @@
 //   qwen --model dir --prompt ... --teacher-force 8 --dump-logits logits.f32
 //   qwen --tokenizer dir/tokenizer.json --tokenize "Hello"     # text flags: text.hpp
 //   qwen --model dir --chat "Why is the sky blue?" --gen 64
+//   qwen --preset qwen3-32b --tp 4 --bench --bench-batches 1,8   # tensor parallel over 4 GPUs (NCCL)
 // Every flag is checked before any GPU work; bad input exits with code 2 and a message naming the flag.
 #include "bench.hpp"
 #include "model.hpp"
 #include "schedule.hpp"
 #include "text.hpp"
+#if QWEN_WITH_NCCL
+#  include "tp.hpp"
+#endif
 
 #include <common/device.hpp>
 #include <common/report.hpp>
@@ -31,6 +35,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -47,7 +52,7 @@ struct Args {
   std::string json_path, dump_logits, dump_graph;
   long long random_prompt = 0, seed = 1234;
   int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 16;
-  int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0;
+  int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0, tp = 1;
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
   TextOptions text;  ///< --tokenizer, --tokenize, --detokenize, --prompt-text, --chat, --system
@@ -84,6 +89,7 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_flag("--quiet", a.quiet, "print less");
   app.add_option("--dump-graph", a.dump_graph,
                  "write bucket 1's decode-step graph to PATH: DOT if it ends in .dot, else JSON");
+  app.add_option("--tp", a.tp, "tensor parallel over N GPUs (devices 0..N-1, NCCL); 1: one GPU");
   add_text_flags(app, a.text);
 }
 
@@ -130,6 +136,9 @@ Setup prepare(Args& a, const CLI::App& app) {
     if (a.mode == "eager") throw input_error("--tokens-per-launch is a graph path: use --mode graph or both");
   }
   if (app.count("--model") != 0 && a.model_dir.empty()) throw input_error("--model: the path is empty");
+  if (a.tp > 1 && app.count("--tokens-per-launch") > 0)
+    throw input_error("--tokens-per-launch runs on one GPU (the device loop): it does not combine with --tp");
+  if (a.tp > 1 && !a.dump_graph.empty()) throw input_error("--dump-graph shows one GPU's step: it does not combine with --tp");
 
   Setup s;
   s.seed = static_cast<std::uint64_t>(a.seed);
@@ -145,6 +154,9 @@ Setup prepare(Args& a, const CLI::App& app) {
     s.cfg = qwen::preset(a.preset);
   }
   const Config& cfg = s.cfg;
+  int devices = 0;  // the one device query before any GPU work: how many GPUs --tp may use
+  if (a.tp > 1 && cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  check_tp_request(cfg, a.tp, devices, QWEN_WITH_NCCL != 0);
   s.bench.steps = a.bench_steps > 0 ? a.bench_steps : a.gen;
   s.bench.long_prompt = a.long_prompt;
   if (a.bench && a.long_prompt > 0) a.max_context = std::max(a.max_context, a.long_prompt + s.bench.steps + 2);
@@ -162,6 +174,7 @@ Setup prepare(Args& a, const CLI::App& app) {
   opt.max_context = a.max_context;
   opt.seed = s.seed;
   opt.gemv_max_rows = a.gemv_max_rows;
+  opt.tp_size = a.tp;  // the KV budget is per GPU; each GPU holds 1/tp of the kv heads
 
   s.sample = sampling_from_flags(a.text);
   opt.sampling = s.sample.temperature > 0;  // the head then writes logits for the sampler
@@ -203,7 +216,7 @@ Setup prepare(Args& a, const CLI::App& app) {
 /// Parity mode: the logits after the first `teacher_force` prompt tokens (prefill), then after each
 /// further prompt token fed as a decode step, in each mode; eager and graph must agree bit for bit.
 /// Returns the exit code.
-int run_parity(Engine& eng, const Args& a, const Setup& s, json& out) {
+int run_parity(Decoder& eng, const Args& a, const Setup& s, json& out) {
   const int P = a.teacher_force, n = static_cast<int>(s.prompt.size()), V = s.cfg.vocab_size;
   std::vector<std::vector<float>> per_mode;
   for (const auto& m : s.modes) per_mode.push_back(teacher_forced_logits(eng, s.prompt, P, m == "graph"));
@@ -226,7 +239,7 @@ int run_parity(Engine& eng, const Args& a, const Setup& s, json& out) {
 
 /// Generation (and the staggered demo): the sequences in each mode; eager and graph must give the
 /// same tokens. Returns the exit code.
-int run_generation(Engine& eng, const Args& a, const Setup& s, json& out) {
+int run_generation(Decoder& eng, const Args& a, const Setup& s, json& out) {
   std::vector<RunResult> results;
   for (const auto& m : s.modes) {
     const bool looped = m == "graph" && a.tokens_per_launch > 0;  // batch 1 (checked by prepare)
@@ -277,6 +290,16 @@ int run_generation(Engine& eng, const Args& a, const Setup& s, json& out) {
   return rc;
 }
 
+/// The engine for the run: one GPU, or tensor parallel over devices 0..tp-1.
+std::unique_ptr<Decoder> make_engine(const Setup& s, int tp) {
+  const replay_examples::safetensors* w = s.weights ? &*s.weights : nullptr;
+#if QWEN_WITH_NCCL
+  if (tp > 1) return std::make_unique<TpEngine>(s.cfg, s.opt, w, tp);
+#endif
+  if (tp > 1) throw input_error("--tp: this build has no NCCL");  // check_tp_request refused it already
+  return std::make_unique<Engine>(s.cfg, s.opt, w);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -295,23 +318,27 @@ int main(int argc, char** argv) {
     const std::string dev = replay_examples::device_name();
     const Config& cfg = s.cfg;
     replay_examples::stopwatch load_sw;
-    Engine eng(cfg, s.opt, s.weights ? &*s.weights : nullptr);
+    const std::unique_ptr<Decoder> engine = make_engine(s, a.tp);
+    Decoder& eng = *engine;
     eng.set_sampling(s.sample);
     const double load_ms = load_sw.elapsed_ms();
-    if (!a.dump_graph.empty()) {
-      const replay::graph g = replay::capture(eng.stream(), [&](replay::stream_ref cs) { eng.record_decode_step(1, cs); });
+    if (!a.dump_graph.empty()) {  // one GPU (prepare refuses it with --tp)
+      auto& one = static_cast<Engine&>(eng);
+      const replay::graph g = replay::capture(one.stream(), [&](replay::stream_ref cs) { one.record_decode_step(1, cs); });
       replay::write_graph_summary(g, a.dump_graph);
     }
     json out;
     out["device"] = dev;
     out["model"] = cfg.name;
+    out["tp"] = a.tp;
     out["weights"] = a.model_dir.empty() ? "random" : a.model_dir;
     out["load_ms"] = load_ms;
     out["kernels"] = eng.describe_kernels();
     if (!a.quiet)
-      fmt::print("device: {}\nmodel: {} ({} layers, hidden {}, {} q / {} kv heads, vocab {}), weights {}, {:.1f} MiB; "
+      fmt::print("device: {}{}\nmodel: {} ({} layers, hidden {}, {} q / {} kv heads, vocab {}), weights {}, {:.1f} MiB; "
                  "KV pool {} blocks x {} tokens = {:.1f} MiB\n{}\n",
-                 dev, cfg.name, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                 dev, a.tp > 1 ? fmt::format(" x {} (tensor parallel; per-GPU figures below)", a.tp) : std::string(),
+                 cfg.name, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                  cfg.num_key_value_heads, cfg.vocab_size, a.model_dir.empty() ? "random" : a.model_dir,
                  mib(eng.weight_bytes()), eng.kv().num_blocks(), eng.kv().block_size(), mib(eng.kv_pool_bytes()),
                  eng.describe_kernels());

@@ -1,5 +1,6 @@
 // examples/qwen/model.cu: the Engine: weights, the buffer arena, the paged KV pool, the decode step,
-// prefill, and eager / graph decode through replay::step_runner.
+// prefill, and eager / graph decode through replay::step_runner (tensor parallel: one rank's shard,
+// its collectives in the step, and replay::lockstep_runner).
 #include "model.hpp"
 #include "sample.cuh"
 
@@ -7,6 +8,10 @@
 
 #include <replay/device_loop.hpp>
 #include <replay/runner.hpp>
+#if QWEN_WITH_NCCL
+#  include <replay/lockstep.hpp>
+#  include <replay/nccl.hpp>
+#endif
 
 #include <cublas_v2.h>
 #include <fmt/format.h>
@@ -63,6 +68,16 @@ constexpr std::size_t kCublasWorkspace = 32u << 20;
 struct Engine::Impl {
   Config cfg;
   EngineOptions opt;
+  /// This rank's share of the model (tensor parallel; at tp_size 1 the whole model): its query and
+  /// kv heads, intermediate rows and lm_head rows (vocabulary ids [vocab0, vocab0 + vocab)).
+  struct Shard {
+    int rank = 0, size = 1;
+    int q_heads = 0, kv_heads = 0, inter = 0, vocab = 0, vocab0 = 0;
+    int q_dim = 0, kv_dim = 0, qkv_dim = 0;
+  } sh;
+#if QWEN_WITH_NCCL
+  TpComms comms{};  // tp_size > 1: the step's collectives and the runner's agreements
+#endif
   int max_rows = 0;  // rows of the activation buffers: max(max_batch, prefill_chunk)
   int num_sms = 0;
   replay::stream stream;
@@ -94,7 +109,9 @@ struct Engine::Impl {
   bf16* attn = nullptr;                      // [rows][q_dim]
   float* gu = nullptr;                       // [rows][2 I] gate | up (cuBLAS path)
   bf16* act = nullptr;                       // [rows][I] SiLU(gate) * up
-  float* logits = nullptr;                   // [max_batch][V]
+  float* logits = nullptr;                   // [max_batch][V] what the sampler reads (tp 1: the lm_head's output)
+  float* head_out = nullptr;                 // [max_batch][vocab shard] the lm_head's output (tp 1: logits)
+  float* gathered = nullptr;                 // tp > 1, sampling: [tp][max_batch][vocab shard] all-gathered
   unsigned long long* keys = nullptr;        // [rows] packed argmax
   float2* rope = nullptr;                    // [max_context][head_dim / 2] (cos, sin)
   float* attn_partial = nullptr;             // split-KV partial softmax states
@@ -120,8 +137,18 @@ struct Engine::Impl {
   BucketPlan oversize;  // batches above the largest bucket (eager fallback): cuBLAS, no split
 
   std::vector<int> buckets;
-  std::optional<replay::step_runner<replay::graph_key>> runner;
+  std::optional<replay::step_runner<replay::graph_key>> runner;  // tp_size 1
+#if QWEN_WITH_NCCL
+  std::optional<replay::lockstep_runner<replay::graph_key>> tp_runner;  // tp_size > 1: the same bucket on every rank
+#endif
   long long eager_steps = 0;
+
+  [[nodiscard]] replay::pool_stats runner_stats() const {
+#if QWEN_WITH_NCCL
+    if (tp_runner) return tp_runner->stats();
+#endif
+    return runner->stats();
+  }
 
   // ---------------------------------------------------------------------------------------------
   // Setup: all checks first, then every allocation.
@@ -129,6 +156,25 @@ struct Engine::Impl {
     cfg.validate();
     opt.validate(cfg);
     if (st != nullptr) check_weights(cfg, *st);
+    const int tp = opt.tp_size;
+    sh = {.rank = opt.tp_rank, .size = tp, .q_heads = cfg.num_attention_heads / tp,
+          .kv_heads = cfg.num_key_value_heads / tp, .inter = cfg.intermediate_size / tp,
+          .vocab = cfg.vocab_size / tp, .vocab0 = opt.tp_rank * (cfg.vocab_size / tp)};
+    sh.q_dim = sh.q_heads * cfg.head_dim, sh.kv_dim = sh.kv_heads * cfg.head_dim;
+    sh.qkv_dim = sh.q_dim + 2 * sh.kv_dim;
+#if QWEN_WITH_NCCL
+    if (tp > 1) {
+      int device = -1;
+      REPLAY_CHECK(cudaGetDevice(&device));
+      for (const auto* c : {&comms.step, &comms.agree})
+        if (!*c || c->size() != tp || c->rank() != opt.tp_rank || c->device() != device)
+          throw replay::usage_error(fmt::format(
+              "qwen::Engine: rank {} of {} on device {} needs communicators of that rank, size and device",
+              opt.tp_rank, tp, device));
+    }
+#else
+    if (tp > 1) throw input_error("tensor parallel needs a build with NCCL (QWEN_WITH_NCCL)");
+#endif
     // ---- GPU work starts here -----------------------------------------------------------------
     num_sms = replay_examples::sm_count();
     const std::int64_t nb = opt.kv_blocks(cfg);
@@ -162,87 +208,117 @@ struct Engine::Impl {
     ro.pool.warmup = 1;  // one eager run before capture (same inputs: rewrites the same K/V values)
     for (std::size_t b : ro.buckets.sizes()) buckets.push_back(static_cast<int>(b));
     plan_buckets();
-    runner.emplace([this](replay::stream_ref s, const replay::graph_key& k) { step(static_cast<int>(k.bucket), s); },
-                   std::move(ro));
+    auto step_fn = [this](replay::stream_ref s, const replay::graph_key& k) { step(static_cast<int>(k.bucket), s); };
+#if QWEN_WITH_NCCL
+    if (tp > 1)  // oversize batches: bucket_for() has checked eager_fallback; they run eagerly on every rank
+      tp_runner.emplace(step_fn, replay::nccl_agreement(comms.agree),
+                        replay::lockstep_options{.rank = sh.rank, .pool = ro.pool, .buckets = ro.buckets});
+    else
+#endif
+      runner.emplace(step_fn, std::move(ro));
     stream.synchronize();
   }
 
+  /// The weights of this rank: a slice of each full tensor (the whole tensor at tp_size 1; README,
+  /// "Tensor parallel"): q/k/v, gate and up by rows (this rank's heads and intermediate rows), O
+  /// and down by columns, the lm_head by rows (vocabulary ids); the embedding and the norms whole.
   void alloc_weights(const replay_examples::safetensors* st) {
     const std::size_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim, V = cfg.vocab_size;
-    const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), QKV = cfg.qkv_dim();
+    const std::size_t Q = cfg.q_dim(), r = sh.rank;
+    const std::size_t Qr = sh.q_dim, KVr = sh.kv_dim, Ir = sh.inter, Vr = sh.vocab;  // this rank's rows
     struct Piece {
-      std::string name;    // HF tensor name (random init: seed source)
-      std::size_t offset;  // elements into `weights`
-      std::size_t count;
+      std::string name;          // HF tensor name (random init: seed source)
+      std::size_t offset;        // elements into `weights`
+      std::size_t rows, cols;    // the slice held: rows x cols, dense
+      std::size_t row0, col0;    // its first element in the full tensor
+      std::size_t ld;            // the full tensor's row length
       bool is_norm;
     };
     std::vector<Piece> pieces;
     std::size_t total = 0;
     auto place = [&](std::size_t n) { return std::exchange(total, total + align_elems(n)); };
-    auto add = [&](const std::string& name, std::size_t at, std::size_t n, bool norm) {
-      pieces.push_back({name, at, n, norm});
+    // Rows [row0, row0 + rows) of a [.][cols] tensor; columns [col0, col0 + cols) of a [rows][ld] one.
+    auto add_rows = [&](const std::string& name, std::size_t at, std::size_t rows, std::size_t row0, std::size_t cols) {
+      pieces.push_back({name, at, rows, cols, row0, 0, cols, false});
+    };
+    auto add_cols = [&](const std::string& name, std::size_t at, std::size_t rows, std::size_t col0, std::size_t cols,
+                        std::size_t ld) { pieces.push_back({name, at, rows, cols, 0, col0, ld, false}); };
+    auto add_norm = [&](const std::string& name, std::size_t at, std::size_t n) {
+      pieces.push_back({name, at, 1, n, 0, 0, n, true});
     };
     const std::size_t embed_at = place(V * H);
-    add("model.embed_tokens.weight", embed_at, V * H, false);
+    add_rows("model.embed_tokens.weight", embed_at, V, 0, H);  // replicated: every rank looks tokens up
     std::vector<std::array<std::size_t, 8>> lay(cfg.num_hidden_layers);
     for (int i = 0; i < cfg.num_hidden_layers; ++i) {
       auto& o = lay[i];
-      o[0] = place(QKV * H);
-      add(lname(i, "self_attn.q_proj.weight"), o[0], Q * H, false);
-      add(lname(i, "self_attn.k_proj.weight"), o[0] + Q * H, KV * H, false);
-      add(lname(i, "self_attn.v_proj.weight"), o[0] + (Q + KV) * H, KV * H, false);
-      o[1] = place(H * Q);
-      add(lname(i, "self_attn.o_proj.weight"), o[1], H * Q, false);
-      o[2] = place(2 * I * H);
-      add(lname(i, "mlp.gate_proj.weight"), o[2], I * H, false);
-      add(lname(i, "mlp.up_proj.weight"), o[2] + I * H, I * H, false);
-      o[3] = place(H * I);
-      add(lname(i, "mlp.down_proj.weight"), o[3], H * I, false);
+      o[0] = place((Qr + 2 * KVr) * H);  // [q; k; v] rows of this rank's heads
+      add_rows(lname(i, "self_attn.q_proj.weight"), o[0], Qr, r * Qr, H);
+      add_rows(lname(i, "self_attn.k_proj.weight"), o[0] + Qr * H, KVr, r * KVr, H);
+      add_rows(lname(i, "self_attn.v_proj.weight"), o[0] + (Qr + KVr) * H, KVr, r * KVr, H);
+      o[1] = place(H * Qr);  // the columns that read this rank's heads
+      add_cols(lname(i, "self_attn.o_proj.weight"), o[1], H, r * Qr, Qr, Q);
+      o[2] = place(2 * Ir * H);  // [gate; up] rows of this rank's intermediate rows
+      add_rows(lname(i, "mlp.gate_proj.weight"), o[2], Ir, r * Ir, H);
+      add_rows(lname(i, "mlp.up_proj.weight"), o[2] + Ir * H, Ir, r * Ir, H);
+      o[3] = place(H * Ir);
+      add_cols(lname(i, "mlp.down_proj.weight"), o[3], H, r * Ir, Ir, I);
       o[4] = place(H);
-      add(lname(i, "input_layernorm.weight"), o[4], H, true);
+      add_norm(lname(i, "input_layernorm.weight"), o[4], H);
       o[5] = place(H);
-      add(lname(i, "post_attention_layernorm.weight"), o[5], H, true);
+      add_norm(lname(i, "post_attention_layernorm.weight"), o[5], H);
       o[6] = place(D);
-      add(lname(i, "self_attn.q_norm.weight"), o[6], D, true);
+      add_norm(lname(i, "self_attn.q_norm.weight"), o[6], D);
       o[7] = place(D);
-      add(lname(i, "self_attn.k_norm.weight"), o[7], D, true);
+      add_norm(lname(i, "self_attn.k_norm.weight"), o[7], D);
     }
     const std::size_t norm_at = place(H);
-    add("model.norm.weight", norm_at, H, true);
-    std::size_t head_at = embed_at;
+    add_norm("model.norm.weight", norm_at, H);
+    std::size_t head_at = embed_at + std::size_t(sh.vocab0) * H;  // tied: this rank's rows of the embedding
     if (!cfg.tie_word_embeddings) {
-      head_at = place(V * H);
-      add("lm_head.weight", head_at, V * H, false);
+      head_at = place(Vr * H);
+      add_rows("lm_head.weight", head_at, Vr, std::size_t(sh.vocab0), H);
     }
     weights = replay::device_buffer<bf16>(total);
     bf16* base = weights.data();
     for (const auto& p : pieces) {
+      const bool contiguous = p.cols == p.ld;  // whole rows: one run of the full tensor
       if (st != nullptr) {
-        const auto& t = st->at(p.name);
-        REPLAY_CHECK(cudaMemcpyAsync(base + p.offset, t.data, p.count * sizeof(bf16), cudaMemcpyHostToDevice,
-                                     stream.get()),
-                     "copying tensor {}", p.name);
+        const bf16* src = reinterpret_cast<const bf16*>(st->at(p.name).data) + p.row0 * p.ld + p.col0;
+        if (contiguous)
+          REPLAY_CHECK(cudaMemcpyAsync(base + p.offset, src, p.rows * p.cols * sizeof(bf16), cudaMemcpyHostToDevice,
+                                       stream.get()),
+                       "copying tensor {}", p.name);
+        else
+          REPLAY_CHECK(cudaMemcpy2DAsync(base + p.offset, p.cols * sizeof(bf16), src, p.ld * sizeof(bf16),
+                                         p.cols * sizeof(bf16), p.rows, cudaMemcpyHostToDevice, stream.get()),
+                       "copying columns {}..{} of tensor {}", p.col0, p.col0 + p.cols, p.name);
       } else if (p.is_norm) {
-        launch_fill_const(base + p.offset, p.count, 1.0f, stream);
-      } else {  // uniform(-a, a) has std a / sqrt(3)
-        launch_fill_random(base + p.offset, p.count, name_seed(opt.seed, p.name), opt.init_std * 1.7320508f, stream);
+        launch_fill_const(base + p.offset, p.cols, 1.0f, stream);
+      } else if (contiguous && p.row0 == 0) {  // uniform(-a, a) has std a / sqrt(3)
+        launch_fill_random(base + p.offset, p.rows * p.cols, name_seed(opt.seed, p.name), opt.init_std * 1.7320508f,
+                           stream);
+      } else {  // a shard: the values of the same elements of the full tensor
+        launch_fill_random_slice(base + p.offset, p.rows, p.cols, p.ld, p.row0, p.col0, name_seed(opt.seed, p.name),
+                                 opt.init_std * 1.7320508f, stream);
       }
     }
     embed = base + embed_at;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
-    head = {.W = base + head_at, .N = cfg.vocab_size, .K = cfg.hidden_size,
+    head = {.W = base + head_at, .N = sh.vocab, .K = cfg.hidden_size,
             .in = {.norm_w = base + norm_at, .eps = eps},
-            .mode = opt.sampling ? gemv_out::store_f32 : gemv_out::argmax};
+            .mode = opt.sampling ? gemv_out::store_f32 : gemv_out::argmax, .index0 = sh.vocab0};
+    // O and down: rank 0 adds its product to the residual, the other ranks store their partial
+    // products there; the all-reduce after them (step) sums the ranks' residuals.
+    const gemv_out partial = sh.rank == 0 ? gemv_out::add_f32 : gemv_out::store_f32;
     for (int i = 0; i < cfg.num_hidden_layers; ++i) {
       const auto& o = lay[i];
       Layer l;
-      l.qkv = {.W = base + o[0], .N = cfg.qkv_dim(), .K = cfg.hidden_size, .in = {.norm_w = base + o[4], .eps = eps},
+      l.qkv = {.W = base + o[0], .N = sh.qkv_dim, .K = cfg.hidden_size, .in = {.norm_w = base + o[4], .eps = eps},
                .mode = gemv_out::store_f32};
-      l.o = {.W = base + o[1], .N = cfg.hidden_size, .K = cfg.q_dim(), .in = {.eps = eps}, .mode = gemv_out::add_f32};
-      l.gate_up = {.W = base + o[2], .N = cfg.intermediate_size, .K = cfg.hidden_size,
+      l.o = {.W = base + o[1], .N = cfg.hidden_size, .K = sh.q_dim, .in = {.eps = eps}, .mode = partial};
+      l.gate_up = {.W = base + o[2], .N = sh.inter, .K = cfg.hidden_size,
                    .in = {.norm_w = base + o[5], .eps = eps}, .mode = gemv_out::silu_mul};
-      l.down = {.W = base + o[3], .N = cfg.hidden_size, .K = cfg.intermediate_size, .in = {.eps = eps},
-                .mode = gemv_out::add_f32};
+      l.down = {.W = base + o[3], .N = cfg.hidden_size, .K = sh.inter, .in = {.eps = eps}, .mode = partial};
       l.q_norm = base + o[6];
       l.k_norm = base + o[7];
       layers.push_back(l);
@@ -253,7 +329,7 @@ struct Engine::Impl {
   void alloc_kv(int nb) {
     const int width = (opt.max_context + opt.block_size - 1) / opt.block_size;
     book.emplace(nb, opt.block_size, opt.max_batch, width);
-    kv = {.num_blocks = nb, .block_size = opt.block_size, .kv_heads = cfg.num_key_value_heads, .head_dim = cfg.head_dim};
+    kv = {.num_blocks = nb, .block_size = opt.block_size, .kv_heads = sh.kv_heads, .head_dim = cfg.head_dim};
     kv_pool = replay::device_buffer<bf16>(kv.layer_stride() * cfg.num_hidden_layers);
     kv.base = kv_pool.data();
     REPLAY_CHECK(cudaMemsetAsync(kv_pool.data(), 0, kv_pool.size_bytes(), stream.get()));
@@ -265,32 +341,39 @@ struct Engine::Impl {
 
   /// Carves every buffer from one arena (sized first, then allocated once and frozen).
   void alloc_buffers() {
-    const std::size_t R = max_rows, H = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
+    const std::size_t R = max_rows, H = cfg.hidden_size, I = sh.inter, V = cfg.vocab_size, B = opt.max_batch;
     std::size_t split_rows = 0;  // split-KV scratch for the largest rows x splits of any bucket
     for (int b = 1; b <= opt.max_batch; b *= 2)
       split_rows = std::max(split_rows, std::size_t(b) * attn_plan(b).splits);
-    const std::size_t partial = split_rows * cfg.num_key_value_heads * cfg.group_size() * (cfg.head_dim + 2);
-    const std::size_t arrived = R * cfg.num_key_value_heads;
+    const std::size_t partial = split_rows * sh.kv_heads * cfg.group_size() * (cfg.head_dim + 2);
+    const std::size_t arrived = R * sh.kv_heads;
     const std::size_t rope_n = std::size_t(opt.max_context) * cfg.head_dim / 2;
-    const std::size_t sizes[] = {R * H * 4,       R * H * 2,       R * cfg.qkv_dim() * 4, R * cfg.q_dim() * 2,
-                                 R * 2 * I * 4,   R * I * 2,       opt.max_batch * V * 4, R * 8,
+    // Tensor parallel: the lm_head's output is this rank's vocabulary shard; sampling gathers the
+    // shards (gathered) and puts them back in vocabulary order (logits).
+    const bool tp = sh.size > 1;
+    const std::size_t shard_n = tp ? B * sh.vocab : 0, gathered_n = tp && opt.sampling ? B * V : 0;
+    const std::size_t logits_n = !tp || opt.sampling ? B * V : 0;
+    const std::size_t sizes[] = {R * H * 4,       R * H * 2,       R * sh.qkv_dim * 4, R * sh.q_dim * 2,
+                                 R * 2 * I * 4,   R * I * 2,       logits_n * 4,       R * 8,
                                  rope_n * 8,      partial * 4,     arrived * 4,
-                                 kCublasWorkspace};
+                                 kCublasWorkspace, shard_n * 4,    gathered_n * 4};
     std::size_t bytes = 0;
     for (std::size_t s : sizes) bytes += align_bytes(s);
     arena = replay::static_arena(bytes);
     residual = arena.allocate<float>(R * H).data();
     xn = arena.allocate<bf16>(R * H).data();
-    qkv = arena.allocate<float>(R * cfg.qkv_dim()).data();
-    attn = arena.allocate<bf16>(R * cfg.q_dim()).data();
+    qkv = arena.allocate<float>(R * sh.qkv_dim).data();
+    attn = arena.allocate<bf16>(R * sh.q_dim).data();
     gu = arena.allocate<float>(R * 2 * I).data();
     act = arena.allocate<bf16>(R * I).data();
-    logits = arena.allocate<float>(std::size_t(opt.max_batch) * V).data();
+    if (logits_n > 0) logits = arena.allocate<float>(logits_n).data();
     keys = arena.allocate<unsigned long long>(R).data();
     rope = arena.allocate<float2>(rope_n).data();
     attn_partial = arena.allocate<float>(partial).data();
     attn_arrived = arena.allocate<unsigned>(arrived).data();
     cublas_ws = arena.allocate<std::byte>(kCublasWorkspace).data();
+    head_out = tp ? arena.allocate<float>(shard_n).data() : logits;
+    if (gathered_n > 0) gathered = arena.allocate<float>(gathered_n).data();
     arena.freeze();
     REPLAY_CHECK(cudaMemsetAsync(arena.base(), 0, arena.capacity(), stream.get()));
     keys_host = replay::pinned_buffer<unsigned long long>(R);
@@ -302,17 +385,17 @@ struct Engine::Impl {
   void build_layers() {
     const int H = cfg.hidden_size;
     for (auto& l : layers) {
-      l.qkv.in.x_f32 = residual, l.qkv.y_f32 = qkv, l.qkv.ldy = cfg.qkv_dim();
+      l.qkv.in.x_f32 = residual, l.qkv.y_f32 = qkv, l.qkv.ldy = sh.qkv_dim;
       l.o.in.x_bf16 = attn, l.o.y_f32 = residual, l.o.ldy = H;
-      l.gate_up.in.x_f32 = residual, l.gate_up.y_bf16 = act, l.gate_up.ldy = cfg.intermediate_size;
+      l.gate_up.in.x_f32 = residual, l.gate_up.y_bf16 = act, l.gate_up.ldy = sh.inter;
       l.down.in.x_bf16 = act, l.down.y_f32 = residual, l.down.ldy = H;
     }
-    head.in.x_f32 = residual, head.y_f32 = logits, head.ldy = cfg.vocab_size, head.keys = keys;
+    head.in.x_f32 = residual, head.y_f32 = head_out, head.ldy = sh.vocab, head.keys = keys;
   }
 
   /// Attention's plan for a bucket of `rows` rows, with the split-KV scratch.
   [[nodiscard]] AttnPlan attn_plan(int rows) const {
-    AttnPlan p = plan_attention(rows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, num_sms);
+    AttnPlan p = plan_attention(rows, sh.q_heads, sh.kv_heads, cfg.head_dim, num_sms);
     p.min_chunk = opt.attn_min_chunk, p.partial = attn_partial, p.arrived = attn_arrived;
     return p;
   }
@@ -334,7 +417,8 @@ struct Engine::Impl {
 
   // ---------------------------------------------------------------------------------------------
   // The decode step: the same launches eagerly and under capture; every per-step value is read
-  // from the metadata, so the captured graph of a bucket serves every step.
+  // from the metadata, so the captured graph of a bucket serves every step. Tensor parallel: the
+  // same launches on every rank's shard, plus the collectives (reduce_residual, lm_head).
   void step(int rows, replay::stream_ref s) {
     const auto it = plans.find(rows);
     const BucketPlan& p = it != plans.end() ? it->second : oversize;
@@ -342,21 +426,46 @@ struct Engine::Impl {
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const Layer& w = layers[l];
       linear(w.qkv, rows, p.qkv, s);  // input RMSNorm folded in
-      launch_attention(qkv, cfg.num_attention_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
+      launch_attention(qkv, sh.q_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
                        /*write_kv=*/true, p.attn, attn, s);
       linear(w.o, rows, p.o, s);            // + residual
+      reduce_residual(rows, s);
       linear(w.gate_up, rows, p.gate_up, s);  // post-attention RMSNorm folded in; SiLU(gate) * up
       linear(w.down, rows, p.down, s);      // + residual
+      reduce_residual(rows, s);
     }
     lm_head(head, rows, p.head, meta.rows, s);  // final RMSNorm folded in
+  }
+
+  /// Tensor parallel: after O and after down, rank 0's residual holds residual + its product and
+  /// every other rank's its partial product; one in-place sum over the ranks (rows x H floats)
+  /// leaves residual + the full product on every rank. Nothing at tp_size 1.
+  void reduce_residual(int rows, replay::stream_ref s) {
+#if QWEN_WITH_NCCL
+    if (sh.size > 1)
+      replay::all_reduce(comms.step, residual, residual, std::size_t(rows) * cfg.hidden_size, ncclSum, s);
+#else
+    (void)rows, (void)s;
+#endif
   }
 
   /// The lm_head on `rows` rows and the choice of each row's token, as a packed key in `keys`: the
   /// GEMV's argmax epilogue, or (sampling) the logits and then the sampler, which reads the row's
   /// position from `row_meta` (the rows' step metadata) and its parameters from sample_meta.
+  /// Tensor parallel: each rank's head covers its vocabulary shard; greedy, its keys carry global
+  /// token ids and a max over the ranks (uint64) picks the argmax; sampling, the shards are
+  /// all-gathered and put back in vocabulary order, and every rank samples the same token.
   void lm_head(const Linear& h, int rows, const std::optional<GemvPlan>& plan, const RowStep* row_meta,
                replay::stream_ref s) {
     linear(h, rows, plan, s);
+#if QWEN_WITH_NCCL
+    if (sh.size > 1 && !opt.sampling)
+      replay::all_reduce(comms.step, keys, keys, std::size_t(rows), ncclUint64, ncclMax, s);
+    if (sh.size > 1 && opt.sampling) {
+      replay::all_gather(comms.step, head_out, gathered, std::size_t(rows) * sh.vocab, ncclFloat32, s);
+      launch_unshard_logits(gathered, sh.size, rows, sh.vocab, logits, s);
+    }
+#endif
     if (opt.sampling) launch_sample(logits, cfg.vocab_size, row_meta, sample_meta->device(), rows, keys, s);
   }
 
@@ -367,11 +476,13 @@ struct Engine::Impl {
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const Layer& w = layers[l];
       linear(w.qkv, rows, std::nullopt, s);
-      launch_kv_write(qkv, cfg.num_attention_heads, w.k_norm, eps(), rope, meta, rows, kv, l, s);
-      launch_prefill_attention(qkv, cfg.num_attention_heads, w.q_norm, eps(), rope, meta, rows, kv, l, attn, s);
+      launch_kv_write(qkv, sh.q_heads, w.k_norm, eps(), rope, meta, rows, kv, l, s);
+      launch_prefill_attention(qkv, sh.q_heads, w.q_norm, eps(), rope, meta, rows, kv, l, attn, s);
       linear(w.o, rows, std::nullopt, s);
+      reduce_residual(rows, s);
       linear(w.gate_up, rows, std::nullopt, s);
       linear(w.down, rows, std::nullopt, s);
+      reduce_residual(rows, s);
     }
   }
 
@@ -394,7 +505,7 @@ struct Engine::Impl {
         return launch_silu_mul(gu, op.N, rows, op.y_bf16, s);
       case gemv_out::argmax:
         gemm(op.W, op.N, op.K, x, rows, op.y_f32, op.ldy, 0.f, s);
-        return launch_argmax(op.y_f32, op.N, rows, op.keys, s);
+        return launch_argmax(op.y_f32, op.N, rows, op.keys, s, op.index0);
     }
   }
 
@@ -486,6 +597,14 @@ struct Engine::Impl {
     loop_exec = g.instantiate({.upload_stream = stream.get()});
   }
 
+  /// Copies the lm_head's output of `n` rows, this rank's vocabulary columns, into `out` (rows of
+  /// vocab floats).
+  void copy_logits(std::span<float> out, int n) {
+    const std::size_t V = cfg.vocab_size, Vr = sh.vocab;
+    REPLAY_CHECK(cudaMemcpy2DAsync(out.data() + sh.vocab0, V * sizeof(float), head_out, Vr * sizeof(float),
+                                   Vr * sizeof(float), std::size_t(n), cudaMemcpyDeviceToHost, stream.get()));
+  }
+
   int run_loop(const DecodeRow& row, int limit, int stop_token, std::span<int> out) {
     if (!loop_exec) capture_loop();
     stage_and_push(std::span<const DecodeRow>(&row, 1));  // the first step's row, and the block table
@@ -506,6 +625,15 @@ Engine::Engine(const Config& cfg, const EngineOptions& opt, const replay_example
   impl_->opt = opt;
   impl_->init(weights);
 }
+#if QWEN_WITH_NCCL
+Engine::Engine(const Config& cfg, const EngineOptions& opt, const replay_examples::safetensors* weights, TpComms comms)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->cfg = cfg;
+  impl_->opt = opt;
+  impl_->comms = comms;
+  impl_->init(weights);
+}
+#endif
 Engine::~Engine() = default;
 Engine::Engine(Engine&&) noexcept = default;
 Engine& Engine::operator=(Engine&&) noexcept = default;
@@ -517,11 +645,11 @@ replay::stream_ref Engine::stream() const { return impl_->stream; }
 const std::vector<int>& Engine::buckets() const { return impl_->buckets; }
 int Engine::bucket_for(int rows) const { return impl_->bucket_for(rows); }
 std::string Engine::describe_kernels() const { return impl_->describe_kernels(); }
-replay::pool_stats Engine::pool_stats() const { return impl_->runner->stats(); }
+replay::pool_stats Engine::pool_stats() const { return impl_->runner_stats(); }
 
 GraphStats Engine::graph_stats() const {
   const auto& m = *impl_;
-  const replay::pool_stats ps = m.runner->stats();
+  const replay::pool_stats ps = m.runner_stats();
   GraphStats g;
   g.captures = static_cast<int>(ps.captures);
   g.replays = static_cast<long long>(ps.hits + ps.misses);
@@ -568,7 +696,6 @@ int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<
       throw input_error(fmt::format("token id {} is out of range (vocab size {})", t, m.cfg.vocab_size));
   if (!logits.empty() && logits.size() < std::size_t(m.cfg.vocab_size))
     throw replay::usage_error("prefill: logits span smaller than the vocabulary");
-  const int V = m.cfg.vocab_size;
   std::vector<DecodeRow> rows;
   int last = 0;
   for (int c0 = 0; c0 < n; c0 += m.opt.prefill_chunk) {
@@ -585,9 +712,7 @@ int Engine::prefill(int slot, std::span<const int> tokens, int start, std::span<
   m.lm_head(head, 1, std::nullopt, m.meta.rows + last, m.stream);
   REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys, sizeof(unsigned long long), cudaMemcpyDeviceToHost,
                                m.stream.get()));
-  if (!logits.empty())
-    REPLAY_CHECK(cudaMemcpyAsync(logits.data(), m.logits, std::size_t(V) * sizeof(float), cudaMemcpyDeviceToHost,
-                                 m.stream.get()));
+  if (!logits.empty()) m.copy_logits(logits, 1);
   m.stream.synchronize();
   return key_to_token(m.keys_host[0]);
 }
@@ -608,17 +733,19 @@ void Engine::decode(std::span<const DecodeRow> rows, bool use_graph, std::span<i
   const int bucket = m.bucket_for(n);  // checks the oversize policy before any GPU work
   m.stage_and_push(rows);              // padded rows: scratch slot, token 0, position 0
   if (use_graph) {
-    (void)m.runner->run_batch(static_cast<std::size_t>(n), m.stream,
-                              [](std::size_t b) { return replay::graph_key{.bucket = static_cast<std::uint32_t>(b)}; });
+    auto key = [](std::size_t b) { return replay::graph_key{.bucket = static_cast<std::uint32_t>(b)}; };
+#if QWEN_WITH_NCCL
+    if (m.tp_runner) (void)m.tp_runner->run_batch(static_cast<std::size_t>(n), m.stream, key);
+    else
+#endif
+      (void)m.runner->run_batch(static_cast<std::size_t>(n), m.stream, key);
   } else {
     m.step(bucket, m.stream);  // the same launches, issued directly
     ++m.eager_steps;
   }
   REPLAY_CHECK(cudaMemcpyAsync(m.keys_host.data(), m.keys, std::size_t(n) * sizeof(unsigned long long),
                                cudaMemcpyDeviceToHost, m.stream.get()));
-  if (!logits.empty())
-    REPLAY_CHECK(cudaMemcpyAsync(logits.data(), m.logits, std::size_t(n) * m.cfg.vocab_size * sizeof(float),
-                                 cudaMemcpyDeviceToHost, m.stream.get()));
+  if (!logits.empty()) m.copy_logits(logits, n);
   m.stream.synchronize();
   for (int i = 0; i < n; ++i) next[i] = key_to_token(m.keys_host[i]);
 }
@@ -626,9 +753,11 @@ void Engine::decode(std::span<const DecodeRow> rows, bool use_graph, std::span<i
 std::size_t Engine::prewarm_graphs() {
   auto& m = *impl_;
   m.stage_and_push({});  // warm-up runs read metadata: all rows padding (the scratch slot)
-  return m.runner->prewarm_buckets(m.stream, [](std::size_t b) {
-    return replay::graph_key{.bucket = static_cast<std::uint32_t>(b)};
-  });
+  auto key = [](std::size_t b) { return replay::graph_key{.bucket = static_cast<std::uint32_t>(b)}; };
+#if QWEN_WITH_NCCL
+  if (m.tp_runner) return m.tp_runner->prewarm_buckets(m.stream, key);
+#endif
+  return m.runner->prewarm_buckets(m.stream, key);
 }
 
 void Engine::record_decode_step(int rows, replay::stream_ref s) { impl_->step(rows, s); }
@@ -636,6 +765,9 @@ void Engine::record_decode_step(int rows, replay::stream_ref s) { impl_->step(ro
 int Engine::decode_loop(int slot, int token, int pos, int k, int stop_token, std::span<int> out) {
   auto& m = *impl_;
   const int V = m.cfg.vocab_size, C = m.opt.max_context;
+  if (m.sh.size > 1)
+    throw input_error("decode_loop: the device loop runs on one GPU; with tensor parallel (--tp) decode one step "
+                      "per call");
   if (k < 1 || k > kMaxTokensPerLaunch)
     throw input_error(fmt::format("decode_loop: {} tokens per launch, expected 1..{}", k, kMaxTokensPerLaunch));
   if (out.size() < static_cast<std::size_t>(k)) throw replay::usage_error("decode_loop: `out` smaller than k");

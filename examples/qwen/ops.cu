@@ -1,6 +1,6 @@
 // examples/qwen/ops.cu: the small kernels: random initialisation, the RoPE table, the embedding
-// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), and the end
-// of a step in the device loop.
+// lookup, RMSNorm, SiLU·up and argmax (the cuBLAS path of large buckets and prefill), the logits
+// of tensor-parallel sampling put back in vocabulary order, and the end of a step in the device loop.
 #include "kernels.cuh"
 #include "device.cuh"
 
@@ -21,6 +21,18 @@ __global__ void fill_random_kernel(bf16* p, std::size_t n, std::uint64_t seed, f
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
        i += std::size_t(gridDim.x) * blockDim.x) {
     const std::uint64_t h = replay_examples::splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = __float2bfloat16((2.f * u - 1.f) * scale);
+  }
+}
+
+__global__ void fill_random_slice_kernel(bf16* p, std::size_t rows, std::size_t cols, std::size_t ld, std::size_t row0,
+                                         std::size_t col0, std::uint64_t seed, float scale) {
+  const std::size_t n = rows * cols;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::size_t full = (row0 + i / cols) * ld + col0 + i % cols;  // the index fill_random_kernel uses
+    const std::uint64_t h = replay_examples::splitmix64(seed ^ (full * 0xD1B54A32D192ED03ull));
     const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
     p[i] = __float2bfloat16((2.f * u - 1.f) * scale);
   }
@@ -94,14 +106,14 @@ __global__ void silu_mul_kernel(const float* gu, int N, int rows, bf16* act) {
   }
 }
 
-__global__ void argmax_kernel(const float* logits, int V, unsigned long long* keys) {
+__global__ void argmax_kernel(const float* logits, int V, unsigned long long* keys, int index0) {
   replay::pdl::launch_dependents();
   replay::pdl::wait();
   const int r = blockIdx.x;
   const float* x = logits + std::size_t(r) * V;
   unsigned long long best = 0;
   for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const unsigned long long k = argmax_key(x[i], i);
+    const unsigned long long k = argmax_key(x[i], i + index0);
     best = k > best ? k : best;
   }
 #pragma unroll
@@ -117,6 +129,17 @@ __global__ void argmax_kernel(const float* logits, int V, unsigned long long* ke
     keys[r] = best;
   }
 }
+__global__ void unshard_logits_kernel(const float* gathered, int tp, int rows, int shard, float* logits) {
+  replay::pdl::launch_dependents();
+  replay::pdl::wait();
+  const std::size_t total = std::size_t(tp) * rows * shard;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::size_t j = i % shard, r = i / shard % rows, k = i / shard / rows;  // gathered[k][r][j]
+    logits[(r * tp + k) * shard + j] = gathered[i];
+  }
+}
+
 int fill_grid(std::size_t n) {
   const std::size_t blocks = (n + 255) / 256;
   return static_cast<int>(blocks < 4096 ? (blocks == 0 ? 1 : blocks) : 4096);
@@ -126,6 +149,13 @@ int fill_grid(std::size_t n) {
 
 void launch_fill_random(bf16* p, std::size_t n, std::uint64_t seed, float scale, replay::stream_ref s) {
   replay::launch(fill_random_kernel, {.grid = dim3(fill_grid(n)), .block = dim3(256), .stream = s}, p, n, seed, scale);
+}
+
+void launch_fill_random_slice(bf16* p, std::size_t rows, std::size_t cols, std::size_t ld, std::size_t row0,
+                              std::size_t col0, std::uint64_t seed, float scale, replay::stream_ref s) {
+  if (col0 + cols > ld) throw replay::usage_error("qwen::launch_fill_random_slice: columns past the row");
+  replay::launch(fill_random_slice_kernel, {.grid = dim3(fill_grid(rows * cols)), .block = dim3(256), .stream = s}, p,
+                 rows, cols, ld, row0, col0, seed, scale);
 }
 
 void launch_fill_const(bf16* p, std::size_t n, float value, replay::stream_ref s) {
@@ -156,8 +186,15 @@ void launch_silu_mul(const float* gu, int N, int rows, bf16* act, replay::stream
                  gu, N, rows, act);
 }
 
-void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s) {
-  replay::launch(argmax_kernel, {.grid = dim3(rows), .block = dim3(1024), .stream = s, .pdl = true}, logits, V, keys);
+void launch_argmax(const float* logits, int V, int rows, unsigned long long* keys, replay::stream_ref s, int index0) {
+  replay::launch(argmax_kernel, {.grid = dim3(rows), .block = dim3(1024), .stream = s, .pdl = true}, logits, V, keys,
+                 index0);
+}
+
+void launch_unshard_logits(const float* gathered, int tp, int rows, int shard, float* logits, replay::stream_ref s) {
+  replay::launch(unshard_logits_kernel,
+                 {.grid = dim3(fill_grid(std::size_t(tp) * rows * shard)), .block = dim3(256), .stream = s, .pdl = true},
+                 gathered, tp, rows, shard, logits);
 }
 
 // ---- the device loop's step end (Engine::decode_loop) ------------------------------------------------

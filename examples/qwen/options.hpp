@@ -39,6 +39,36 @@ inline std::vector<int> parse_ids(const std::string& s, const char* flag) {
   return out;
 }
 
+/// Throws input_error unless `c` splits over `tp` tensor-parallel ranks: every rank takes the same
+/// number of kv heads (and so of query heads), of intermediate rows (a multiple of 8: 16-byte loads)
+/// and of vocabulary rows.
+inline void check_tp_split(const Config& c, int tp) {
+  if (tp < 1) throw input_error(fmt::format("--tp {} must be at least 1", tp));
+  auto divides = [&](const char* field, int v) {
+    if (v % tp != 0)
+      throw input_error(fmt::format("--tp {}: {} {} of config {} is not divisible by {}", tp, field, v, c.name, tp));
+  };
+  divides("num_key_value_heads", c.num_key_value_heads);
+  divides("num_attention_heads", c.num_attention_heads);
+  divides("intermediate_size", c.intermediate_size);
+  divides("vocab_size", c.vocab_size);
+  if ((c.intermediate_size / tp) % 8 != 0)
+    throw input_error(fmt::format("--tp {}: intermediate_size / {} = {} must be a multiple of 8", tp, tp,
+                                  c.intermediate_size / tp));
+}
+
+/// The --tp checks of the CLI, on the host before any GPU work: the split (check_tp_split), NCCL
+/// built in (`nccl_built`) when tp > 1, and at most one rank per GPU present (`devices`).
+inline void check_tp_request(const Config& c, int tp, int devices, bool nccl_built) {
+  check_tp_split(c, tp);
+  if (tp == 1) return;
+  if (!nccl_built)
+    throw input_error(fmt::format("--tp {}: tensor parallel needs NCCL, and this build has none (configure with "
+                                  "NCCL installed and REPLAY_WITH_NCCL=ON)", tp));
+  if (tp > devices)
+    throw input_error(fmt::format("--tp {} needs {} GPUs (one rank per GPU); {} present", tp, tp, devices));
+}
+
 /// Run-time sizes of the engine (everything is allocated once from these).
 struct EngineOptions {
   int max_batch = 64;                        ///< rows the activation buffers hold (largest batch)
@@ -53,10 +83,14 @@ struct EngineOptions {
   int gemv_max_rows = 16;                    ///< largest bucket on the fused GEMV (0, 1, 2, 4, 8, 16); larger: cuBLAS
   int attn_min_chunk = 128;                  ///< split-KV attention: positions per block at least (multiple of 64)
   bool sampling = false;                     ///< the lm_head writes logits and a sampler picks the token; off: argmax
+  int tp_size = 1;                           ///< tensor-parallel ranks (one engine per rank; tp.hpp)
+  int tp_rank = 0;                           ///< this engine's rank in 0..tp_size-1
 
-  /// KV blocks the budget buys for this config.
+  /// Device bytes of one KV block on one rank (a rank holds kv_heads / tp_size heads).
+  [[nodiscard]] std::int64_t block_bytes(const Config& c) const { return kv_block_bytes(c, block_size) / tp_size; }
+  /// KV blocks the budget (per rank) buys for this config.
   [[nodiscard]] std::int64_t kv_blocks(const Config& c) const {
-    return static_cast<std::int64_t>(kv_budget_bytes) / kv_block_bytes(c, block_size);
+    return static_cast<std::int64_t>(kv_budget_bytes) / block_bytes(c);
   }
 
   /// Throws input_error unless the sizes are usable with `c`.
@@ -73,10 +107,13 @@ struct EngineOptions {
       throw input_error("largest fused-GEMV bucket must be 0, 1, 2, 4, 8 or 16");
     if (attn_min_chunk < 64 || attn_min_chunk % 64 != 0)
       throw input_error("attention's minimum chunk must be a positive multiple of 64");
+    check_tp_split(c, tp_size);
+    if (tp_rank < 0 || tp_rank >= tp_size)
+      throw input_error(fmt::format("tensor-parallel rank {} is outside 0..{}", tp_rank, tp_size - 1));
     const std::int64_t nb = kv_blocks(c);
     if (nb < 2)
       throw input_error(fmt::format("KV memory budget of {} bytes holds {} blocks of {} bytes; at least 2 are needed",
-                                    kv_budget_bytes, nb, kv_block_bytes(c, block_size)));
+                                    kv_budget_bytes, nb, block_bytes(c)));
     if (nb > (1ll << 30))
       throw input_error(fmt::format("KV memory budget of {:.0f} MiB buys {} blocks; at most 2^30 are supported",
                                     kv_budget_bytes / 1048576.0, nb));
@@ -150,8 +187,8 @@ inline void validate_request(const Config& c, const EngineOptions& o, const std:
   if (blocks > avail)
     throw input_error(fmt::format("the request needs {} KV blocks ({:.1f} MiB) but the KV budget holds {} ({:.1f} MiB); "
                                   "raise --kv-mem-mb or shorten the request",
-                                  blocks, blocks * kv_block_bytes(c, o.block_size) / 1048576.0, avail,
-                                  avail * kv_block_bytes(c, o.block_size) / 1048576.0));
+                                  blocks, blocks * o.block_bytes(c) / 1048576.0, avail,
+                                  avail * o.block_bytes(c) / 1048576.0));
 }
 
 }  // namespace qwen

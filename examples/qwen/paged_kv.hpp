@@ -26,6 +26,12 @@ inline std::int64_t kv_block_bytes(const Config& c, int block_size) {
 ///
 /// Guarantees: a block is owned by at most one slot; block 0 is never handed out; every operation
 /// that would exceed the pool or a slot's table width throws input_error and changes nothing.
+///
+/// Followers (tensor parallel, tp.hpp): every rank's engine keeps its own book and pushes its own
+/// device table. Rank 0's book leads: each acquire_slot, ensure and release applied to it is then
+/// applied to its followers (the other ranks' books, built with the same sizes and never changed
+/// directly), so every book holds the same slots, blocks, lengths and dirty range. clear_dirty()
+/// is each book's own.
 class PagedKvBook {
  public:
   PagedKvBook(int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq)
@@ -62,6 +68,7 @@ class PagedKvBook {
     if (s < 0) throw input_error("KV cache: all " + std::to_string(max_seqs_) + " sequence slots are in use");
     in_use_[s] = true;
     length_[s] = 0;
+    for (PagedKvBook* f : followers_) (void)f->acquire_slot();
     return s;
   }
 
@@ -85,6 +92,7 @@ class PagedKvBook {
       mark_dirty(slot * width_ + col, slot * width_ + col + 1);
     }
     length_[slot] = std::max(length_[slot], tokens);
+    for (PagedKvBook* f : followers_) f->ensure(slot, tokens);
   }
 
   /// Returns the slot's blocks to the pool and frees the slot.
@@ -97,7 +105,19 @@ class PagedKvBook {
     bl.clear();
     length_[slot] = 0;
     in_use_[slot] = false;
+    for (PagedKvBook* f : followers_) f->release(slot);
   }
+
+  /// Makes `f` follow this book (see the class comment). `f` must have been built with the same
+  /// sizes, be unchanged since (or equal to this book), and outlive this book or stop following it
+  /// first (clear_followers). Throws input_error for a book of other sizes or for this book itself.
+  void add_follower(PagedKvBook& f) {
+    if (&f == this || f.num_blocks_ != num_blocks_ || f.block_size_ != block_size_ || f.max_seqs_ != max_seqs_ ||
+        f.width_ != width_)
+      throw input_error("KV cache: a follower book must be another book of the same sizes");
+    followers_.push_back(&f);
+  }
+  void clear_followers() { followers_.clear(); }
 
   [[nodiscard]] int length(int slot) const { return length_.at(slot); }
   [[nodiscard]] bool in_use(int slot) const { return in_use_.at(slot); }
@@ -139,6 +159,7 @@ class PagedKvBook {
   std::vector<bool> in_use_;
   std::vector<int> free_;
   int dirty_begin_ = 0, dirty_end_ = 0;
+  std::vector<PagedKvBook*> followers_;  // not owned
 };
 
 }  // namespace qwen

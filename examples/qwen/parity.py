@@ -15,7 +15,12 @@ so both sides use the same bf16-rounded weights. Then:
 The prompt has 8 random tokens; with --long-prompt N it has N (prefilled in chunks of up to 2048
 tokens by the tensor-core prefill attention) and only the LONG_CONFIGS run.
 
-Usage: python3 parity.py --bin build/examples/qwen/qwen [--out results.json] [--long-prompt 4096]
+With --tp N every run of the binary is tensor parallel over N GPUs (`qwen --tp N`): the same
+tolerances against the reference, and eager == graph at TP N. The test configs have 2 kv heads, so
+--tp 2 runs them all; a config whose heads, intermediate size or vocabulary do not split over N is
+skipped with a note.
+
+Usage: python3 parity.py --bin build/examples/qwen/qwen [--tp N] [--long-prompt 4096] [--out results.json]
 """
 import argparse
 import json
@@ -86,7 +91,14 @@ def run_bin(args):
     return r.stdout
 
 
-def check(name, spec, binary, root, seed, prompt_len=PROMPT):
+def splits(spec, tp):
+    """Whether qwen --tp `tp` accepts this config (check_tp_split in options.hpp)."""
+    return all(spec[k] % tp == 0 for k in ("num_key_value_heads", "num_attention_heads", "intermediate_size",
+                                           "vocab_size")) and (spec["intermediate_size"] // tp) % 8 == 0
+
+
+def check(name, spec, binary, root, seed, prompt_len=PROMPT, tp=1):
+    tp_args = ["--tp", str(tp)] if tp > 1 else []
     context = max(256, prompt_len + STEPS + 8)  # --max-context of our runs
     path, ref, files = build(name, spec, root, seed, max(1024, context))
     V = spec["vocab_size"]
@@ -101,7 +113,8 @@ def check(name, spec, binary, root, seed, prompt_len=PROMPT):
 
     dump = os.path.join(root, f"{name}.f32")
     out = run_bin([binary, "--model", path, "--prompt", ",".join(map(str, full)), "--teacher-force", str(prompt_len),
-                   "--dump-logits", dump, "--mode", "both", "--max-context", str(context), "--kv-mem-mb", "64"])
+                   "--dump-logits", dump, "--mode", "both", "--max-context", str(context), "--kv-mem-mb", "64"]
+                  + tp_args)
     ours = np.fromfile(dump, dtype=np.float32).reshape(STEPS, V).astype(np.float64)
     rel = np.linalg.norm(ours - ref_logits, axis=1) / np.linalg.norm(ref_logits, axis=1)
 
@@ -115,7 +128,7 @@ def check(name, spec, binary, root, seed, prompt_len=PROMPT):
     # Free generation with our binary (eager and graph, checked identical by the binary itself).
     jpath = os.path.join(root, f"{name}.json")
     run_bin([binary, "--model", path, "--prompt", ",".join(map(str, prompt)), "--gen", str(STEPS), "--mode", "both",
-             "--json", jpath, "--max-context", str(context), "--kv-mem-mb", "64", "--quiet"])
+             "--json", jpath, "--max-context", str(context), "--kv-mem-mb", "64", "--quiet"] + tp_args)
     res = json.load(open(jpath))
     free = res["graph"]["tokens"][0]
     free_ok = res.get("identical_tokens", False)
@@ -125,13 +138,13 @@ def check(name, spec, binary, root, seed, prompt_len=PROMPT):
 
     ok = rel.max() < TOL and greedy_bad == 0 and free_ok and not free_bad
     summary = {
-        "config": name, "prompt": prompt_len, "files": files, "max_rel_l2": float(rel.max()), "median_rel_l2": float(np.median(rel)),
+        "config": name, "prompt": prompt_len, "tp": tp, "files": files, "max_rel_l2": float(rel.max()), "median_rel_l2": float(np.median(rel)),
         "steps": STEPS, "decisive_steps": int(decisive.sum()), "greedy_mismatch_on_decisive": greedy_bad,
         "teacher_forced_argmax_agree": int(np.sum(ours_arg == ref_arg)),
         "free_greedy_first_divergence": first_diff, "free_eager_graph_identical": free_ok,
         "device": res.get("device"), "pass": bool(ok),
     }
-    print(f"[{name}] files={files}, prompt {prompt_len} tokens")
+    print(f"[{name}] files={files}, prompt {prompt_len} tokens" + (f", tensor parallel over {tp} GPUs" if tp > 1 else ""))
     print(f"[{name}] teacher-forced rel L2: max {rel.max():.3e}, median {np.median(rel):.3e} over {STEPS} steps "
           f"(tol {TOL}); argmax agree {summary['teacher_forced_argmax_agree']}/{STEPS}, decisive steps "
           f"{int(decisive.sum())}, mismatches there {greedy_bad}")
@@ -149,6 +162,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="prompt tokens (random) before the teacher-forced steps; runs only the LONG_CONFIGS")
+    ap.add_argument("--tp", type=int, default=1, help="run the binary tensor parallel over N GPUs (qwen --tp N)")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() // 2))
     import transformers
@@ -156,14 +170,17 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as root:
         for i, (name, spec) in enumerate(CONFIGS.items()):
+            if not splits(spec, a.tp):
+                print(f"[{name}] skipped: does not split over --tp {a.tp}")
+                continue
             if a.long_prompt > 0 and name in LONG_CONFIGS:
-                results.append(check(name, spec, a.bin, root, a.seed + 10 * i, prompt_len=a.long_prompt))
+                results.append(check(name, spec, a.bin, root, a.seed + 10 * i, prompt_len=a.long_prompt, tp=a.tp))
             elif a.long_prompt == 0:
-                results.append(check(name, spec, a.bin, root, a.seed + 10 * i))
+                results.append(check(name, spec, a.bin, root, a.seed + 10 * i, tp=a.tp))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
-    ok = all(r["pass"] for r in results)
+    ok = bool(results) and all(r["pass"] for r in results)
     print("PARITY", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 

@@ -26,7 +26,7 @@ void demo_requests(int n, int vocab, std::uint64_t seed, std::vector<SequenceReq
   }
 }
 
-RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
+RunResult run_schedule(Decoder& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
                        bool graph, bool verbose, const TokenSink& sink) {
   struct State {
     int slot = -1;
@@ -97,7 +97,7 @@ RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, co
   return res;
 }
 
-RunResult run_looped(Engine& eng, const SequenceRequest& q, int k, const TokenSink& sink) {
+RunResult run_looped(Decoder& eng, const SequenceRequest& q, int k, const TokenSink& sink) {
   auto& book = eng.kv();
   RunResult res;
   res.tokens.assign(1, {});
@@ -144,7 +144,7 @@ BucketUse bucket_use(const RunResult& r) {
   return u;
 }
 
-std::vector<float> teacher_forced_logits(Engine& eng, const std::vector<int>& prompt, int prefix, bool graph) {
+std::vector<float> teacher_forced_logits(Decoder& eng, const std::vector<int>& prompt, int prefix, bool graph) {
   const int P = prefix, n = static_cast<int>(prompt.size()), V = eng.config().vocab_size;
   std::vector<float> logits(std::size_t(n - P + 1) * V);
   auto& book = eng.kv();

@@ -1,6 +1,7 @@
-// examples/qwen/schedule.hpp: running sequences to completion on an Engine, as the CLI's generation
-// and the benchmark do: a staggered batch (sequences join and leave at their own steps) through
-// Engine::decode, or one sequence through the device loop (Engine::decode_loop).
+// examples/qwen/schedule.hpp: running sequences to completion on a Decoder (an Engine, or a TpEngine
+// over several GPUs), as the CLI's generation and the benchmark do: a staggered batch (sequences
+// join and leave at their own steps) through decode(), or one sequence through the device loop
+// (Engine::decode_loop).
 #pragma once
 
 #include "model.hpp"
@@ -35,14 +36,14 @@ using TokenSink = std::function<void(int seq, int token)>;
 /// Runs `seqs` to completion: sequence i joins at step join[i] (prefilled then), decodes one token
 /// per step with the others, and leaves (freeing its blocks) when it has generated its tokens or
 /// one of its stop ids. `verbose` prints when sequences join and leave and when the bucket changes.
-RunResult run_schedule(Engine& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
+RunResult run_schedule(Decoder& eng, const std::vector<SequenceRequest>& seqs, const std::vector<int>& join,
                        bool graph, bool verbose, const TokenSink& sink = {});
 
 /// Runs one sequence with the device loop: prefill, then one Engine::decode_loop launch per `k`
 /// tokens (fewer for the last), stopping on the device at the first stop id and on the host at any
 /// of them. step_us holds each launch's host wall time (push..read back) divided by the tokens it
 /// produced: the time per token.
-RunResult run_looped(Engine& eng, const SequenceRequest& q, int k, const TokenSink& sink = {});
+RunResult run_looped(Decoder& eng, const SequenceRequest& q, int k, const TokenSink& sink = {});
 
 /// The buckets a run used and its padding: rows of real sequences against rows run.
 struct BucketUse {
@@ -56,7 +57,7 @@ BucketUse bucket_use(const RunResult& r);
 /// Parity (teacher forcing): prefills the first `prefix` tokens of `prompt`, then feeds the rest
 /// one per decode step (eager, or from the graphs). Returns the logits after the prefill and after
 /// each step: (prompt.size() - prefix + 1) rows of vocab floats.
-std::vector<float> teacher_forced_logits(Engine& eng, const std::vector<int>& prompt, int prefix, bool graph);
+std::vector<float> teacher_forced_logits(Decoder& eng, const std::vector<int>& prompt, int prefix, bool graph);
 
 /// Bytes in MiB.
 inline double mib(double bytes) { return bytes / 1048576.0; }

@@ -16,6 +16,7 @@
 //   stream belongs to the communicator's device, and that a collective issued while this thread
 //   captures goes to a capturing stream (an uncaptured collective in the middle of a captured
 //   step runs once, now, while the other ranks' copies run at every replay: a hang).
+// - `all_gather(comm, send, recv, count, type, stream)` and a typed overload: the same checks.
 // - `nccl_group`: ncclGroupStart/End as a scope, for one thread driving several devices.
 // - `nccl_agreement(comm)`: the cross-rank minimum that lockstep_runner (lockstep.hpp) needs, as a
 //   blocking one-element all-reduce on its own stream. Use a communicator reserved for it
@@ -395,6 +396,22 @@ void all_reduce(const nccl_comm_ref& comm, const T* send, T* recv, std::size_t c
                 stream_ref s) {
   all_reduce(comm, static_cast<const void*>(send), static_cast<void*>(recv), count,
              nccl_type<T>::value, op, s);
+}
+
+/// All-gather: rank k's `count` elements of `send` land at recv + k * count on every rank (recv
+/// holds size() * count elements; send may be recv + rank * count). Same stream checks as
+/// all_reduce; capturable. Throws usage_error on misuse, nccl_error on failure.
+inline void all_gather(const nccl_comm_ref& comm, const void* send, void* recv, std::size_t count,
+                       ncclDataType_t type, stream_ref s) {
+  detail::check_collective(comm, s.get(), "all_gather");
+  REPLAY_NCCL_CHECK(ncclAllGather(send, recv, count, type, comm.get(), s.get()),
+                    "rank {}, {} elements per rank", comm.rank(), count);
+}
+
+/// Typed all-gather (see nccl_type).
+template <class T>
+void all_gather(const nccl_comm_ref& comm, const T* send, T* recv, std::size_t count, stream_ref s) {
+  all_gather(comm, static_cast<const void*>(send), static_cast<void*>(recv), count, nccl_type<T>::value, s);
 }
 
 namespace detail {

@@ -62,7 +62,7 @@ Config tiny_kv64() { return tiny_shape("tiny_kv64", 2048, 256, 512, 2, 64, 64, 6
 
 /// Runs `seqs` (all joining at once) greedily for `steps` decode steps; returns tokens per sequence
 /// and the logits of every step (poisoned with NaN first: every value must be written).
-std::vector<std::vector<int>> generate(Engine& e, const std::vector<std::vector<int>>& prompts, int steps, bool graph,
+std::vector<std::vector<int>> generate(Decoder& e, const std::vector<std::vector<int>>& prompts, int steps, bool graph,
                                        std::vector<float>* all_logits = nullptr) {
   auto& book = e.kv();
   const int n = static_cast<int>(prompts.size());
@@ -110,7 +110,7 @@ std::size_t differing(const std::vector<float>& a, const std::vector<float>& b) 
 }
 /// Decodes `prompts` for 12 steps eagerly, then from graphs: the same tokens and bit-identical logits.
 /// Returns the graph run's tokens.
-std::vector<std::vector<int>> check_eager_is_graph(Engine& e, const std::vector<std::vector<int>>& prompts) {
+std::vector<std::vector<int>> check_eager_is_graph(Decoder& e, const std::vector<std::vector<int>>& prompts) {
   std::vector<float> le, lg;
   const auto eager = generate(e, prompts, 12, false, &le);
   const auto graph = generate(e, prompts, 12, true, &lg);

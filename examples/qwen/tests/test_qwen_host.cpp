@@ -96,7 +96,61 @@ TEST_CASE("presets have the released Qwen3 shapes") {
   CHECK(f.group_size() == 5);  // 40 query heads over 8 kv heads
   CHECK(f.total_params() > 14'000'000'000);
   CHECK(f.total_params() < 15'500'000'000);
+  const Config g = preset("qwen3-32b");
+  CHECK(g.hidden_size == 5120);
+  CHECK(g.intermediate_size == 25600);
+  CHECK(g.num_hidden_layers == 64);
+  CHECK(g.group_size() == 8);  // 64 query heads over 8 kv heads
+  CHECK(!g.tie_word_embeddings);
+  CHECK(g.total_params() > 32'500'000'000);  // Qwen3-32B: 32.8e9
+  CHECK(g.total_params() < 33'000'000'000);
   CHECK(contains(error_of([] { (void)preset("qwen9"); }), "unknown preset"));
+}
+
+TEST_CASE("--tp: the split and the request are checked before any GPU work") {
+  for (const char* name : {"qwen3-8b", "qwen3-14b", "qwen3-32b"})
+    for (int tp : {1, 2, 4}) {
+      CAPTURE(name);
+      CAPTURE(tp);
+      const Config c = preset(name);
+      CHECK(error_of([&] { check_tp_split(c, tp); }).empty());
+      CHECK(error_of([&] { check_tp_request(c, tp, 8, true); }).empty());
+      // A rank reads its share of every matrix and of the lm_head, and all of the norms.
+      if (tp > 1) CHECK(c.decode_weight_bytes(tp) * tp > c.decode_weight_bytes());
+      if (tp > 1) CHECK(c.decode_weight_bytes(tp) * tp < c.decode_weight_bytes() + 2 * tp * c.hidden_size * 2 * (2 * c.num_hidden_layers + 3));
+    }
+  const Config t = preset("tiny");  // 4 query heads, 2 kv heads, intermediate 512, vocab 1024
+  CHECK(error_of([&] { check_tp_request(t, 2, 2, true); }).empty());
+  CHECK(contains(error_of([&] { check_tp_request(t, 0, 2, true); }), "--tp 0 must be at least 1"));
+  CHECK(contains(error_of([&] { check_tp_request(t, 3, 8, true); }), "num_key_value_heads 2 of config tiny is not divisible by 3"));
+  CHECK(contains(error_of([&] { check_tp_request(t, 2, 1, true); }), "--tp 2 needs 2 GPUs (one rank per GPU); 1 present"));
+  CHECK(contains(error_of([&] { check_tp_request(t, 2, 0, true); }), "0 present"));
+  CHECK(contains(error_of([&] { check_tp_request(t, 2, 2, false); }), "tensor parallel needs NCCL"));
+  CHECK(error_of([&] { check_tp_request(t, 1, 0, false); }).empty());  // one GPU needs neither
+  auto with = [&](auto&& change) {
+    Config c = preset("tiny");
+    change(c);
+    return c;
+  };
+  CHECK(contains(error_of([&] { check_tp_split(with([](Config& c) { c.num_attention_heads = 6, c.num_key_value_heads = 6; }), 4); }),
+                 "num_key_value_heads 6"));
+  CHECK(contains(error_of([&] { check_tp_split(with([](Config& c) { c.intermediate_size = 513; }), 2); }),
+                 "intermediate_size 513 of config tiny is not divisible by 2"));
+  CHECK(contains(error_of([&] { check_tp_split(with([](Config& c) { c.intermediate_size = 520; }), 2); }),
+                 "intermediate_size / 2 = 260 must be a multiple of 8"));
+  CHECK(contains(error_of([&] { check_tp_split(with([](Config& c) { c.vocab_size = 1023; }), 2); }),
+                 "vocab_size 1023 of config tiny is not divisible by 2"));
+  // EngineOptions: the same split, the rank in range, and a KV block of 1/tp of the kv heads.
+  EngineOptions o;
+  o.max_context = 512;
+  o.tp_size = 2;
+  CHECK(error_of([&] { o.validate(t); }).empty());
+  CHECK(o.block_bytes(t) * 2 == kv_block_bytes(t, o.block_size));
+  CHECK(o.kv_blocks(t) == 2 * EngineOptions{}.kv_blocks(t));
+  o.tp_rank = 2;
+  CHECK(contains(error_of([&] { o.validate(t); }), "rank 2 is outside 0..1"));
+  o.tp_rank = 0, o.tp_size = 3;
+  CHECK(contains(error_of([&] { o.validate(t); }), "not divisible by 3"));
 }
 
 TEST_CASE("config.json parsing and validation") {
@@ -173,6 +227,41 @@ TEST_CASE("paged KV bookkeeping") {
   for (int i = 0; i < 4; ++i) CHECK(book.table()[3 * 4 + i] == 0);
   CHECK(book.acquire_slot() == a);  // the freed slot is reused
   CHECK(contains(error_of([] { PagedKvBook tiny(1, 16, 1, 1); }), "at least 2"));
+}
+
+TEST_CASE("paged KV bookkeeping: followers (tensor-parallel ranks) apply the leader's changes") {
+  PagedKvBook lead(9, 16, 3, 4), f1(9, 16, 3, 4), f2(9, 16, 3, 4);
+  lead.add_follower(f1);
+  lead.add_follower(f2);
+  auto same = [&](const PagedKvBook& f) {
+    CHECK(f.table() == lead.table());
+    CHECK(f.free_blocks() == lead.free_blocks());
+    CHECK(f.dirty() == lead.dirty());
+    for (int s = 0; s < lead.max_seqs(); ++s) {
+      CHECK(f.in_use(s) == lead.in_use(s));
+      CHECK(f.length(s) == lead.length(s));
+      CHECK(f.blocks(s) == lead.blocks(s));
+    }
+  };
+  const int a = lead.acquire_slot(), b = lead.acquire_slot();
+  lead.ensure(a, 20);
+  lead.ensure(b, 40);
+  lead.ensure(a, 33);
+  same(f1);
+  same(f2);
+  lead.release(a);
+  same(f1);
+  lead.clear_dirty();  // each book's own: the followers keep theirs until they push
+  CHECK(f1.dirty() != lead.dirty());
+  f1.clear_dirty(), f2.clear_dirty();
+  // A change the leader refuses changes no book.
+  CHECK(contains(error_of([&] { lead.ensure(b, 1000); }), "exceed the per-sequence limit"));
+  CHECK(contains(error_of([&] { lead.ensure(a, 16); }), "not in use"));
+  same(f1);
+  same(f2);
+  PagedKvBook other(9, 16, 4, 4);
+  CHECK(contains(error_of([&] { lead.add_follower(other); }), "same sizes"));
+  CHECK(contains(error_of([&] { lead.add_follower(lead); }), "same sizes"));
 }
 
 TEST_CASE("request checks happen before GPU work") {
