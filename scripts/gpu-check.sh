@@ -13,7 +13,7 @@
 #             racecheck of the device loop with a stop token, --bench (per-token table), parity
 #             against PyTorch (when torch is installed)
 #   qwen      the Qwen CLI: staggered demo, --dump-graph, racecheck on reduced cases, parity.py
-#             against transformers (when installed), --bench for the 0.6B and 4B shapes
+#             against transformers (when installed), --bench for the 0.6B and 4B shapes (8B: batch 1 and 8)
 #   pdl       bench_launch_overhead's dependent chains with and without PDL (N = 10, 100, 400)
 #   suite     every benchmark program through benchmarks/run.sh (JSON only)
 #   focus     CTest, then memcheck of every library GPU test (FOCUS_LIBRARY=0 leaves them out), the
@@ -144,6 +144,10 @@ if has qwen; then
       >"$out/qwen-bench-$p.txt" 2>&1
     grep -vE "^  seq|^\[" "$out/qwen-bench-$p.txt" | tail -40 >>"$sum"
   done
+  # Qwen3-8B batch-1 TPOT (the tensor-parallel runs compare against it) and its bucket 8.
+  "$qw" --preset qwen3-8b --bench --gen "$steps" --bench-batches 1,8 --long-prompt 0 --bench-prefill 0 \
+    --json "$out/qwen-bench-qwen3-8b.json" >"$out/qwen-bench-qwen3-8b.txt" 2>&1
+  grep -vE "^  seq|^\[" "$out/qwen-bench-qwen3-8b.txt" | tail -20 >>"$sum"
 fi
 
 if has pdl; then
