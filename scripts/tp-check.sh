@@ -15,7 +15,7 @@
 #             then the TP N / TP 1 ratios against the targets
 #   parity    examples/qwen/parity.py --tp 2 against transformers (needs torch + transformers)
 # Settings: OUT (logs, default ./out), BUILD_DIR (build-tp), REPS (5), FILTER (all-reduce benchmark
-# regex), STEPS (bench decode steps, 64). Everything lands in $OUT; $OUT/tp-summary.txt collects
+# regex), STEPS (bench decode steps, 64), MC_TIMEOUT (seconds for the memcheck of qwen_tp_gpu, 580). Everything lands in $OUT; $OUT/tp-summary.txt collects
 # the verdicts. NVLink multicast stays as the machine sets it (NCCL_NVLS_ENABLE is never touched).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -57,7 +57,7 @@ if has memcheck; then
   timeout 400 compute-sanitizer --tool memcheck --report-api-errors no "$build/tests/gpu_test_multi_gpu" \
     >"$out/tp-memcheck.log" 2>&1; say "memcheck gpu_test_multi_gpu: exit $?"
   grep -E "ERROR SUMMARY|test cases" "$out/tp-memcheck.log" | tail -2 | tee -a "$sum"
-  timeout 580 compute-sanitizer --tool memcheck --report-api-errors no "$build/examples/qwen/qwen_tp_gpu" \
+  timeout "${MC_TIMEOUT:-580}" compute-sanitizer --tool memcheck --report-api-errors no "$build/examples/qwen/qwen_tp_gpu" \
     --test-case="TP 2:*" >"$out/qwen-tp-memcheck.log" 2>&1; say "memcheck qwen_tp_gpu (TP 2 cases): exit $?"
   grep -E "ERROR SUMMARY|test cases" "$out/qwen-tp-memcheck.log" | tail -2 | tee -a "$sum"
 fi
@@ -98,7 +98,7 @@ fi
 
 bench() {  # name, qwen args...
   local name=$1; shift
-  timeout 580 "$qwen" --bench --bench-batches 1,8 --long-prompt 0 --gen "$steps" --json "$out/$name.json" "$@" \
+  timeout 580 "$qwen" --bench --bench-batches 1,8 --long-prompt 0 --bench-prefill 0 --gen "$steps" --json "$out/$name.json" "$@" \
     >"$out/$name.log" 2>&1
   say "$name: exit $?"
   grep -E "^\| (eager|graph) |eager vs graph TPOT|collectives|^\| [0-9]+ +\|" "$out/$name.log" | tee -a "$sum"
