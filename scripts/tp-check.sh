@@ -16,7 +16,8 @@
 #   parity    examples/qwen/parity.py --tp 2 against transformers (needs torch + transformers)
 # Settings: OUT (logs, default ./out), BUILD_DIR (build-tp), REPS (5), FILTER (all-reduce benchmark
 # regex), STEPS (bench decode steps, 64), MC_TIMEOUT (seconds for the memcheck of qwen_tp_gpu, 580).
-# Everything lands in $OUT; $OUT/tp-summary.txt collects the verdicts. NVLink multicast stays as the machine sets it (NCCL_NVLS_ENABLE is never touched).
+# Everything lands in $OUT; $OUT/tp-summary.txt collects the verdicts. NVLink multicast stays as the
+# machine sets it (NCCL_NVLS_ENABLE is never touched).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 build=${BUILD_DIR:-build-tp}
