@@ -4,7 +4,7 @@
 // outputs poisoned before every step): graph == eager, the same bucket on every rank from
 // different batch sizes, a capture failure on rank 1 only (before or after its collective) leaves
 // no graph on any rank and both run eagerly and agree, the kill switch, and the misuses that
-// all_reduce refuses. Skipped (CTest skip code) with fewer than two GPUs.
+// all_reduce refuses; all_gather eagerly and in a graph. Skipped (CTest skip code) with fewer than two GPUs.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 #include <env_guard.hpp>
@@ -17,6 +17,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
@@ -306,6 +307,49 @@ TEST_CASE("multi-GPU: all_reduce refuses a stream of another device and an uncap
                   replay::usage_error);
   CHECK(moved.rank() == 0);
   ranks[0].comm = std::move(moved);  // destroyed with the others, in one group
+}
+
+TEST_CASE("multi-GPU: all_gather eagerly and inside a captured graph") {
+  auto ranks = make_ranks();
+  const comms_closer closer{ranks};
+  constexpr std::size_t n = hidden;  // elements per rank; y holds world * n of max_rows * hidden
+  std::array<std::array<std::size_t, 3>, world> bad{};  // wrong elements: eager, two replays
+  const auto errors = on_ranks(ranks, [&](rank_ctx& r) {
+    const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+    auto step = [&](replay::stream_ref st) {
+      fill_shard<<<blocks, 256, 0, st.get()>>>(r.x.data(), n, r.rank, r.step_value.data());
+      REPLAY_CHECK_LAUNCH("fill_shard");
+      replay::all_gather(r.comm, r.x.data(), r.y.data(), n, st);
+    };
+    // Rank k's shard lands at y + k * n on every rank; the rest of y stays poison.
+    auto wrong = [&](int value) {
+      const auto host = replay_test::to_host(r.y.data(), r.y.size(), r.s);
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < host.size(); ++i) {
+        if (i < world * n) {
+          const int k = static_cast<int>(i / n);
+          bad += host[i] != static_cast<float>((k + 1) * (static_cast<int>(i % n % 97) + 1 + value));
+        } else {
+          std::uint32_t bits = 0;
+          std::memcpy(&bits, &host[i], sizeof bits);
+          bad += bits != 0xEFEFEFEFu;
+        }
+      }
+      return bad;
+    };
+    auto& b = bad[static_cast<std::size_t>(r.rank)];
+    r.before_step(3);
+    step(r.s);
+    b[0] = wrong(3);
+    const replay::graph_exec exec = replay::capture(r.s, step).instantiate({.upload_stream = r.s.get()});
+    for (int v : {5, 8}) {
+      r.before_step(v);
+      exec.launch(r.s);
+      b[v == 5 ? 1 : 2] = wrong(v);
+    }
+  });
+  for (const auto& e : errors) CHECK_MESSAGE(!e, what(e));
+  for (const auto& b : bad) CHECK(b == std::array<std::size_t, 3>{});
 }
 
 int main(int argc, char** argv) {
