@@ -4,7 +4,8 @@
 // with split-KV at long context; every supported head shape (head_dim 64 and 128, 1..8 query heads
 // per kv head) runs; the device loop (decode_loop) gives the per-step graph path's tokens for any
 // tokens per launch, stops on a stop token inside a launch and at the end of the context; bad input
-// is rejected before any launch.
+// is rejected before any launch; the tensor-parallel pieces that need no second GPU (weight slices,
+// partial products from a bf16 x, a shard's argmax keys, logits put back in vocabulary order).
 #include <doctest/doctest.h>
 
 #include "engine_fixtures.cuh"
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -47,15 +49,18 @@ TEST_CASE("eager and graph decode give identical tokens and logits (fused GEMV a
 
 /// One batch-1 GEMV (`mode`, N x K) on the kernel plan_gemv picks, against a host reference in double
 /// over the same bf16 inputs: every output written, within fp32 rounding of the reference, and the
-/// same bits when run again.
-static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want) {
+/// same bits when run again. `bf16_in`: store_f32 reads a bf16 x (a tensor-parallel rank's partial O
+/// or down product) instead of the normalised residual; argmax keys count from `index0`.
+static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want, bool bf16_in = false,
+                              int index0 = 0) {
   CAPTURE(static_cast<int>(mode));
   CAPTURE(N);
   CAPTURE(K);
+  CAPTURE(bf16_in);
   replay::stream s;
   init_gemv_attributes();
   const int R = mode == gemv_out::silu_mul ? 2 : 1;
-  const bool norm = mode != gemv_out::add_f32;
+  const bool norm = mode != gemv_out::add_f32 && !bf16_in;
   const std::uint64_t seed = (std::uint64_t(N) << 20) ^ std::uint64_t(K);
   std::uint64_t counter = 0;
   auto uniform = [&] { return 2.f * replay_examples::uniform01(seed, counter++) - 1.f; };  // in [-1, 1)
@@ -98,7 +103,7 @@ static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want
   REPLAY_CHECK(cudaMemcpyAsync(dxb.data(), xb.data(), K * sizeof(bf16), cudaMemcpyHostToDevice, s.get()));
   REPLAY_CHECK(cudaMemcpyAsync(dxf.data(), xf.data(), K * sizeof(float), cudaMemcpyHostToDevice, s.get()));
   Linear op;
-  op.W = dw.data(), op.N = N, op.K = K, op.mode = mode, op.ldy = N;
+  op.W = dw.data(), op.N = N, op.K = K, op.mode = mode, op.ldy = N, op.index0 = index0;
   op.in = norm ? GemvIn{.x_f32 = dxf.data(), .norm_w = dg.data()} : GemvIn{.x_bf16 = dxb.data()};
   op.y_f32 = dyf.data(), op.y_bf16 = dyb.data(), op.keys = keys.data();
   const GemvPlan plan = plan_gemv(op, 1, replay_examples::sm_count());
@@ -118,7 +123,7 @@ static void check_batch1_gemv(gemv_out mode, int N, int K, GemvPlan::kernel want
     else
       for (float v : replay_test::to_host(dyf.data(), N, s)) out.push_back(v);
     if (mode == gemv_out::argmax) {
-      const int idx = key_to_token(replay_test::to_host(keys.data(), 1, s)[0]);
+      const int idx = key_to_token(replay_test::to_host(keys.data(), 1, s)[0]) - index0;
       REQUIRE(idx >= 0);
       REQUIRE(idx < N);
       CHECK(out[idx] == *std::max_element(out.begin(), out.end()));
@@ -144,6 +149,60 @@ TEST_CASE("the batch-1 pipelined GEMV: every epilogue, one and two chunks before
   check_batch1_gemv(gemv_out::add_f32, 2560, 9728, kind::pipelined_deep);
   check_batch1_gemv(gemv_out::silu_mul, 2560, 2560, kind::pipelined_deep);
   check_batch1_gemv(gemv_out::argmax, 7001, 2560, kind::pipelined_deep);
+  // Tensor parallel: a rank's partial product stored from a bf16 x, and a vocabulary shard's keys.
+  check_batch1_gemv(gemv_out::store_f32, 1500, 2304, kind::pipelined, true);
+  check_batch1_gemv(gemv_out::store_f32, 2560, 9728, kind::pipelined_deep, true);
+  check_batch1_gemv(gemv_out::argmax, 1500, 2304, kind::pipelined, false, 75968);
+}
+
+TEST_CASE("tensor-parallel pieces on one GPU: weight slices, argmax keys of a shard, logits back in order") {
+  replay::stream s;
+  // A shard of random weights has the values of the same elements of the full tensor.
+  constexpr std::size_t R = 37, C = 300;
+  replay::device_buffer<bf16> full(R * C), part(R * C);
+  launch_fill_random(full.data(), R * C, 99, 0.5f, s);
+  const auto f = replay_test::to_host(full.data(), R * C, s);
+  auto same_bits = [](bf16 a, bf16 b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  struct Slice { std::size_t rows, cols, row0, col0; };
+  for (const Slice sl : {Slice{16, C, 5, 0}, Slice{R, 150, 0, 100}, Slice{3, 7, 30, 293}}) {
+    CAPTURE(sl.row0);
+    CAPTURE(sl.col0);
+    replay_test::poison(part.data(), part.size_bytes(), s);
+    launch_fill_random_slice(part.data(), sl.rows, sl.cols, C, sl.row0, sl.col0, 99, 0.5f, s);
+    const auto p = replay_test::to_host(part.data(), sl.rows * sl.cols, s);
+    int bad = 0;
+    for (std::size_t i = 0; i < sl.rows; ++i)
+      for (std::size_t j = 0; j < sl.cols; ++j) bad += !same_bits(p[i * sl.cols + j], f[(sl.row0 + i) * C + sl.col0 + j]);
+    CHECK(bad == 0);
+  }
+  // argmax over a shard's logits: keys carry the global token id.
+  constexpr int V = 1000, rows = 3, tp = 2;
+  std::vector<float> lg(std::size_t(rows) * V);
+  for (std::size_t i = 0; i < lg.size(); ++i) lg[i] = static_cast<float>((i * 7919) % 1009) / 1009.f;
+  replay::device_buffer<float> dl(lg.size()), out(lg.size() * tp);
+  replay::device_buffer<unsigned long long> keys(rows);
+  REPLAY_CHECK(cudaMemcpyAsync(dl.data(), lg.data(), lg.size() * sizeof(float), cudaMemcpyHostToDevice, s.get()));
+  REPLAY_CHECK(cudaMemsetAsync(keys.data(), 0, keys.size_bytes(), s.get()));
+  launch_argmax(dl.data(), V, rows, keys.data(), s, 5 * V);
+  const auto k = replay_test::to_host(keys.data(), rows, s);
+  for (int r = 0; r < rows; ++r) {
+    const auto row = lg.begin() + std::ptrdiff_t(r) * V;
+    CHECK(key_to_token(k[r]) == 5 * V + (std::max_element(row, row + V) - row));
+  }
+  // The all-gathered [tp][rows][shard] back into [rows][tp * shard]: here the "gathered" buffer is
+  // lg twice (rank 1's shard = rank 0's + 1), shard = V.
+  std::vector<float> g(lg);
+  for (float v : lg) g.push_back(v + 1.f);
+  replay::device_buffer<float> dg(g.size());
+  REPLAY_CHECK(cudaMemcpyAsync(dg.data(), g.data(), g.size() * sizeof(float), cudaMemcpyHostToDevice, s.get()));
+  replay_test::poison(out.data(), out.size_bytes(), s);
+  launch_unshard_logits(dg.data(), tp, rows, V, out.data(), s);
+  const auto o = replay_test::to_host(out.data(), out.size(), s);
+  int bad = 0;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < tp * V; ++c)
+      bad += o[std::size_t(r) * tp * V + c] != lg[std::size_t(r) * V + c % V] + (c >= V ? 1.f : 0.f);
+  CHECK(bad == 0);
 }
 
 TEST_CASE("the fused GEMV buckets compute what the cuBLAS path computes") {
