@@ -17,7 +17,7 @@
 #include <replay/error.hpp>
 #include <replay/launch.hpp>
 
-#include <cublas_v2.h>
+#include "cublas.hpp"
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -155,30 +155,17 @@ double chain_floor_ms(const Config& c, replay::stream_ref s) {
 /// prefill's projections), median of 10 runs after 2 warm-ups.
 double gemm_rate(replay::stream_ref s) {
   constexpr int n = 8192;
-  auto check = [](cublasStatus_t st, const char* what) {
-    if (st != CUBLAS_STATUS_SUCCESS)
-      throw std::runtime_error(fmt::format("cuBLAS {} failed: {}", what, cublasGetStatusString(st)));
-  };
   replay::device_buffer<bf16> a(std::size_t(n) * n), b(std::size_t(n) * n);
   replay::device_buffer<float> c(std::size_t(n) * n);
   REPLAY_CHECK(cudaMemsetAsync(a.data(), 0, a.size_bytes(), s.get()));  // zeros: the rate does not depend on values
   REPLAY_CHECK(cudaMemsetAsync(b.data(), 0, b.size_bytes(), s.get()));
-  cublasHandle_t h = nullptr;
-  check(cublasCreate(&h), "cublasCreate");
+  const CublasHandle h;
   const float alpha = 1.f, beta = 0.f;
-  double ms = 0;
-  try {
-    check(cublasSetStream(h, s.get()), "cublasSetStream");
-    ms = replay_examples::median_gpu_ms(s, 10, [&] {
-      check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n, b.data(), CUDA_R_16BF,
-                         n, &beta, c.data(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-            "cublasGemmEx");
-    });
-  } catch (...) {
-    (void)cublasDestroy(h);
-    throw;
-  }
-  (void)cublasDestroy(h);
+  QWEN_CUBLAS(cublasSetStream(h.get(), s.get()));
+  const double ms = replay_examples::median_gpu_ms(s, 10, [&] {
+    QWEN_CUBLAS(cublasGemmEx(h.get(), CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n, b.data(),
+                             CUDA_R_16BF, n, &beta, c.data(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  });
   return 2.0 * n * n * n / (ms * 1e-3);
 }
 

@@ -2,6 +2,7 @@
 // prefill, and eager / graph decode through replay::step_runner (tensor parallel: one rank's shard,
 // its collectives in the step, and replay::lockstep_runner).
 #include "model.hpp"
+#include "cublas.hpp"
 #include "sample.cuh"
 
 #include <common/device.hpp>
@@ -13,7 +14,6 @@
 #  include <replay/nccl.hpp>
 #endif
 
-#include <cublas_v2.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -26,28 +26,6 @@
 namespace qwen {
 
 namespace {
-
-#define QWEN_CUBLAS(call)                                                                               \
-  do {                                                                                                  \
-    const cublasStatus_t qwen_st_ = (call);                                                             \
-    if (qwen_st_ != CUBLAS_STATUS_SUCCESS)                                                              \
-      throw std::runtime_error(fmt::format("cuBLAS call {} failed: {}", #call, cublasGetStatusString(qwen_st_))); \
-  } while (false)
-
-/// Owns a cuBLAS handle. Move-only; the destructor never throws.
-class CublasHandle {
- public:
-  CublasHandle() { QWEN_CUBLAS(cublasCreate(&h_)); }
-  ~CublasHandle() {
-    if (h_ != nullptr) (void)cublasDestroy(h_);
-  }
-  CublasHandle(CublasHandle&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
-  CublasHandle& operator=(CublasHandle&&) = delete;
-  [[nodiscard]] cublasHandle_t get() const { return h_; }
-
- private:
-  cublasHandle_t h_ = nullptr;
-};
 
 std::string lname(int i, const char* suffix) { return fmt::format("model.layers.{}.{}", i, suffix); }
 
