@@ -134,10 +134,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   const bool owns_pos = end == seq_len;  // the last chunk holds position pos
   const std::int32_t* table = meta.block_table + std::size_t(row_slot) * meta.table_width;
   const int blk_pos = table[pos / kv.block_size];
+  const int base0 = begin + warp * PPW;  // this warp's first position
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
   for (int u = 0; u < T; ++u) {
-    const int t = begin + warp * PPW + u * stride + grp;
+    const int t = base0 + u * stride + grp;
     if (pre && t < pos && t < end) {
       const std::size_t o = kv_offset(table[t / kv.block_size], t);
 #pragma unroll
@@ -147,6 +148,20 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
       }
     }
   }
+  // The physical blocks of the positions of the iteration at `ahead`, read one iteration ahead (the
+  // block table is fixed during the step), so that an iteration's K/V loads wait on one round trip
+  // to L2, not two. The first fetch happens before the wait: the iteration after the one in
+  // registers (decode), or the first (prefill).
+  int blk_ahead[T];
+  int ahead = pre ? base0 + stride * T : base0;
+  auto fetch_blocks = [&]() {
+#pragma unroll
+    for (int u = 0; u < T; ++u) {
+      const int t = ahead + u * stride + grp;
+      blk_ahead[u] = t < end ? table[t / kv.block_size] : 0;
+    }
+  };
+  fetch_blocks();
   replay::pdl::wait();
 
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
@@ -175,22 +190,32 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   SoftmaxState<G, DPL, LPT> sm;
   sm.init();
 
-  for (int base = begin + warp * PPW; base < end; base += stride * T) {
+  for (int base = base0; base < end; base += stride * T) {
+    // The first iteration's earlier positions are in registers already (decode); otherwise this
+    // iteration's blocks were fetched one iteration ago: fetch the next iteration's.
+    const bool in_regs = pre && base == base0;
+    int blk[T];
+#pragma unroll
+    for (int u = 0; u < T; ++u) blk[u] = blk_ahead[u];
+    if (!in_regs) {
+      ahead += stride * T;
+      fetch_blocks();
+    }
     bool valid[T];
 #pragma unroll
     for (int u = 0; u < T; ++u) {
       const int t = base + u * stride + grp;
       valid[u] = t < end;
-      // The first iteration's earlier positions are in registers already; position pos (decode) was
-      // written above, also to shared memory (visible after the barrier): no round trip to L2.
+      // Position pos (decode) was written above, also to shared memory (visible after the barrier):
+      // no round trip to L2.
       if (valid[u] && pre && t == pos) {
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
           vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
         }
-      } else if (valid[u] && (base != begin + warp * PPW || !pre)) {
-        const std::size_t o = kv_offset(table[t / kv.block_size], t);
+      } else if (valid[u] && !in_regs) {
+        const std::size_t o = kv_offset(blk[u], t);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);

@@ -294,6 +294,9 @@ void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json
   const double bw = std::accumulate(bws.begin(), bws.end(), 0.0) / static_cast<double>(bws.size());
   const double wbytes = static_cast<double>(cfg.decode_weight_bytes(tp));
   const char* pct = tp > 1 ? "% of aggregate D2D" : "% of D2D";
+  // The K/V bytes one sequence's step reads per token of context (every layer, K and V; a rank's
+  // share of the kv heads under tensor parallel).
+  const double kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.kv_dim() * sizeof(bf16) / tp;
   out["bench"]["tp_size"] = tp;
   fmt::print("\n## Batch-1 decode, {} ({}{}), {} prompt tokens, {} steps\n", cfg.name, dev,
              tp > 1 ? fmt::format(" x {}, tensor parallel", tp) : std::string(), prompt.size(), steps);
@@ -380,7 +383,6 @@ void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json
     const std::vector<int> lp = random_prompt(o.long_prompt, cfg.vocab_size, o.seed + 99);
     const auto r = run_schedule(eng, {SequenceRequest{lp, steps + 1}}, {0}, true, false);
     const auto st = replay_examples::summarize(r.step_us);
-    const double kv_per_token = 2.0 * cfg.num_hidden_layers * cfg.kv_dim() * sizeof(bf16);
     const double kv_bytes = kv_per_token * (o.long_prompt + steps / 2.0);  // mean context over the steps
     const double floor_ms = (wbytes + kv_bytes) / bw * 1e3;
     fmt::print("\n## Long context: batch 1 (graph) after a {}-token prompt, {} steps\n"
@@ -410,7 +412,10 @@ void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json
     }
   }
 
-  replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT"});
+  // A batched step's bytes floor: the weights once, plus the K/V of every sequence at its mean
+  // context over the steps (the prompt plus half the steps).
+  replay_examples::table tb({"batch", "bucket", "mode", "step median (ms)", "tokens/s", "x batch-1 graph TPOT",
+                             "bytes floor (ms)", "x bytes floor"});
   for (int b : o.batches) {
     for (const auto& m : o.modes) {
       std::vector<SequenceRequest> bs;
@@ -420,11 +425,17 @@ void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json
       (void)run_schedule(eng, bs, j, m == "graph", false);
       const auto r = run_schedule(eng, bs, j, m == "graph", false);
       const auto st = replay_examples::summarize(r.step_us);
+      const double kv_bytes = kv_per_token * b * (static_cast<double>(prompt.size()) + steps / 2.0);
+      const double floor_ms = (wbytes + kv_bytes) / bw * 1e3;
       tb.add_row({std::to_string(b), std::to_string(eng.bucket_for(b)), m, fmt::format("{:.3f}", st.median / 1e3),
                   fmt::format("{:.0f}", b / (st.median * 1e-6)),
-                  tpot_graph_ms > 0 ? fmt::format("{:.2f}", st.median / 1e3 / tpot_graph_ms) : std::string("-")});
-      out["bench"]["batched"][m][std::to_string(b)] = {
-          {"step_ms", st.median / 1e3}, {"tokens_per_s", b / (st.median * 1e-6)}, {"bucket", eng.bucket_for(b)}};
+                  tpot_graph_ms > 0 ? fmt::format("{:.2f}", st.median / 1e3 / tpot_graph_ms) : std::string("-"),
+                  fmt::format("{:.3f}", floor_ms), fmt::format("{:.2f}", st.median / 1e3 / floor_ms)});
+      out["bench"]["batched"][m][std::to_string(b)] = {{"step_ms", st.median / 1e3},
+                                                      {"tokens_per_s", b / (st.median * 1e-6)},
+                                                      {"bucket", eng.bucket_for(b)},
+                                                      {"kv_bytes_per_step", kv_bytes},
+                                                      {"bytes_floor_ms", floor_ms}};
     }
   }
   fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());

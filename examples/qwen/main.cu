@@ -51,7 +51,8 @@ struct Args {
   std::string bench_prefill = "512,4096";
   std::string json_path, dump_logits, dump_graph;
   long long random_prompt = 0, seed = 1234;
-  int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 16;
+  int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 16,
+      attn_min_chunk = 128;
   int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0, tp = 1;
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
@@ -81,6 +82,8 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--max-bucket", a.max_bucket, "largest graph bucket (batch rows)");
   app.add_option("--gemv-max-rows", a.gemv_max_rows,
                  "largest bucket on the fused GEMV: 0, 1, 2, 4, 8 or 16 (larger: cuBLAS)");
+  app.add_option("--attn-min-chunk", a.attn_min_chunk,
+                 "split-KV decode attention: positions per block at least (a multiple of 64)");
   app.add_flag("--no-eager-fallback", a.no_fallback, "fail instead of running batches above the largest bucket eagerly");
   app.add_option("--teacher-force", a.teacher_force,
                  "parity mode: prefill the first N prompt tokens, then feed the rest one per step");
@@ -174,6 +177,7 @@ Setup prepare(Args& a, const CLI::App& app) {
   opt.max_context = a.max_context;
   opt.seed = s.seed;
   opt.gemv_max_rows = a.gemv_max_rows;
+  opt.attn_min_chunk = a.attn_min_chunk;
   opt.tp_size = a.tp;  // the KV budget is per GPU; each GPU holds 1/tp of the kv heads
 
   s.sample = sampling_from_flags(a.text);
