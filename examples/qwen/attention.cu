@@ -151,7 +151,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   // The physical blocks of the positions of the iteration at `ahead`, read one iteration ahead (the
   // block table is fixed during the step), so that an iteration's K/V loads wait on one round trip
   // to L2, not two. The first fetch happens before the wait: the iteration after the one in
-  // registers (decode), or the first (prefill).
+  // registers (decode), or the first (prefill). With four load rounds (16 lanes per position) the
+  // registers this takes would spill: those instances read each iteration's blocks in it.
+  constexpr bool kAhead = T <= 2;
   int blk_ahead[T];
   int ahead = pre ? base0 + stride * T : base0;
   auto fetch_blocks = [&]() {
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
       blk_ahead[u] = t < end ? table[t / kv.block_size] : 0;
     }
   };
-  fetch_blocks();
+  if constexpr (kAhead) fetch_blocks();
   replay::pdl::wait();
 
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
@@ -192,14 +194,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
 
   for (int base = base0; base < end; base += stride * T) {
     // The first iteration's earlier positions are in registers already (decode); otherwise this
-    // iteration's blocks were fetched one iteration ago: fetch the next iteration's.
+    // iteration's blocks were fetched one iteration ago (kAhead: then fetch the next iteration's).
     const bool in_regs = pre && base == base0;
-    int blk[T];
-#pragma unroll
-    for (int u = 0; u < T; ++u) blk[u] = blk_ahead[u];
+    int blk[T] = {};
     if (!in_regs) {
+      if constexpr (!kAhead) fetch_blocks();  // this iteration's
+#pragma unroll
+      for (int u = 0; u < T; ++u) blk[u] = blk_ahead[u];
       ahead += stride * T;
-      fetch_blocks();
+      if constexpr (kAhead) fetch_blocks();  // the next iteration's
     }
     bool valid[T];
 #pragma unroll
