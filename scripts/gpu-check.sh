@@ -25,6 +25,9 @@
 #   prefill   the Qwen prefill: qwen_prefill_gpu plain, under memcheck and under racecheck (the
 #             attention kernel's cases), the bench's prefill rows (512 and 4096 tokens, against the
 #             compute floor) for the 0.6B and 4B shapes, parity.py with a 4096-token prompt
+#   decode    the Qwen decode kernels: qwen_gpu plain and whole under memcheck, racecheck of its
+#             attention cases (4-warp blocks, split-KV at long context), parity.py (short prompt
+#             and a 4096-token one; when transformers is installed)
 #   chat      Qwen3-0.6B shape (random weights) with a real tokenizer.json (TOKENIZER): a chat turn
 #             greedy and sampled, eager and graph and device loop, printed as text
 #   tp        tensor parallel (2+ GPUs): the lockstep and multi-GPU tests, qwen_tp_gpu (TP 2 against
@@ -240,6 +243,28 @@ if has prefill; then
     python3 examples/qwen/parity.py --bin "$qw" --long-prompt 4096 --out "$out/qwen-parity-long.json" \
       >"$out/qwen-parity-long.log" 2>&1
     grep -E "teacher-forced rel L2|PASS|FAIL" "$out/qwen-parity-long.log" | tee -a "$sum"
+  fi
+fi
+
+if has decode; then
+  qg="$build/examples/qwen/qwen_gpu"
+  "$qg" >"$out/qwen-gpu.log" 2>&1
+  echo "qwen_gpu: rc=$?; $(grep -E "test cases" "$out/qwen-gpu.log")" | tee -a "$sum"
+  timeout "$mc_timeout" compute-sanitizer --tool memcheck --report-api-errors no "$qg" >"$out/memcheck-qwen-gpu.log" 2>&1
+  echo "memcheck qwen_gpu: rc=$?; $(grep -E "ERROR SUMMARY|test cases" "$out/memcheck-qwen-gpu.log" | tr '\n' ' ')" |
+    tee -a "$sum"
+  for tc in '*4-warp blocks*bucket 64*' '*split-KV*'; do
+    timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qg" -tc="$tc" \
+      >"$out/racecheck-decode.log" 2>&1
+    echo "racecheck qwen_gpu $tc: rc=$?; $(grep -E "RACECHECK SUMMARY|test cases" "$out/racecheck-decode.log" | tr '\n' ' ')" |
+      tee -a "$sum"
+  done
+  if python3 -c 'import transformers' 2>/dev/null; then
+    for n in 0 4096; do
+      python3 examples/qwen/parity.py --bin "$qw" --long-prompt $n --out "$out/qwen-parity-$n.json" \
+        >"$out/qwen-parity-$n.log" 2>&1
+      grep -E "teacher-forced rel L2|PASS|FAIL" "$out/qwen-parity-$n.log" | sed "s/^/parity (long prompt $n): /" | tee -a "$sum"
+    done
   fi
 fi
 
