@@ -26,8 +26,8 @@
 #             attention kernel's cases), the bench's prefill rows (512 and 4096 tokens, against the
 #             compute floor) for the 0.6B and 4B shapes, parity.py with a 4096-token prompt
 #   decode    the Qwen decode kernels: qwen_gpu plain and whole under memcheck, racecheck of its
-#             attention cases (4-warp blocks, split-KV at long context), parity.py (short prompt
-#             and a 4096-token one; when transformers is installed)
+#             4-warp attention case, parity.py (short prompt and a 4096-token one; when
+#             transformers is installed)
 #   chat      Qwen3-0.6B shape (random weights) with a real tokenizer.json (TOKENIZER): a chat turn
 #             greedy and sampled, eager and graph and device loop, printed as text
 #   tp        tensor parallel (2+ GPUs): the lockstep and multi-GPU tests, qwen_tp_gpu (TP 2 against
@@ -72,6 +72,18 @@ cmake --build "$build" -j"$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.l
 say "build: $((SECONDS - t0)) s"
 ng="$build/examples/nanogpt/nanogpt"
 qw="$build/examples/qwen/qwen"
+
+# racecheck of the qwen_gpu cases matching $2 (log racecheck-qwen-$1.log), named $3. The prompts'
+# prefill runs cuBLAS, and racecheck reports hazards inside some cuBLAS kernels, so the hazards are
+# counted per kernel.
+race_qwen_gpu() {
+  local log="$out/racecheck-qwen-$1.log" hz='^=+ +(Read|Write) Thread'
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
+    "$build/examples/qwen/qwen_gpu" -tc="$2" >"$log" 2>&1
+  grep -E "RACECHECK SUMMARY|test cases" "$log" | sed "s/^/racecheck qwen $3: /" | tee -a "$sum"
+  echo "racecheck qwen $3: hazards in the example's kernels: $(grep -E "$hz" "$log" | grep -cv nvjet), in cuBLAS" \
+    "(nvjet) kernels: $(grep -E "$hz" "$log" | grep -c nvjet) (accesses)" | tee -a "$sum"
+}
 
 if has core; then
   (cd "$build" && ctest --output-on-failure -j4) >"$out/ctest.log" 2>&1
@@ -128,17 +140,6 @@ if has qwen; then
   timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny-hd128 --batch 8 \
     --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
   grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-hd128.log" | sed "s/^/racecheck qwen tiny-hd128 batch 8: /" | tee -a "$sum"
-  # racecheck of the qwen_gpu cases matching $2 (log racecheck-qwen-$1.log), named $3. The prompts'
-  # prefill runs cuBLAS, and racecheck reports hazards inside some cuBLAS kernels, so the hazards are
-  # counted per kernel.
-  race_qwen_gpu() {
-    local log="$out/racecheck-qwen-$1.log" hz='^=+ +(Read|Write) Thread'
-    timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
-      "$build/examples/qwen/qwen_gpu" -tc="$2" >"$log" 2>&1
-    grep -E "RACECHECK SUMMARY|test cases" "$log" | sed "s/^/racecheck qwen $3: /" | tee -a "$sum"
-    echo "racecheck qwen $3: hazards in the example's kernels: $(grep -E "$hz" "$log" | grep -cv nvjet), in cuBLAS" \
-      "(nvjet) kernels: $(grep -E "$hz" "$log" | grep -c nvjet) (accesses)" | tee -a "$sum"
-  }
   # Attention in 4-warp blocks (more blocks than one wave of 8 warps) at bucket 16, whose decode runs
   # no cuBLAS.
   race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
@@ -253,12 +254,7 @@ if has decode; then
   timeout "$mc_timeout" compute-sanitizer --tool memcheck --report-api-errors no "$qg" >"$out/memcheck-qwen-gpu.log" 2>&1
   echo "memcheck qwen_gpu: rc=$?; $(grep -E "ERROR SUMMARY|test cases" "$out/memcheck-qwen-gpu.log" | tr '\n' ' ')" |
     tee -a "$sum"
-  for tc in '*4-warp blocks*bucket 64*' '*split-KV*'; do
-    timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qg" -tc="$tc" \
-      >"$out/racecheck-decode.log" 2>&1
-    echo "racecheck qwen_gpu $tc: rc=$?; $(grep -E "RACECHECK SUMMARY|test cases" "$out/racecheck-decode.log" | tr '\n' ' ')" |
-      tee -a "$sum"
-  done
+  race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
   if python3 -c 'import transformers' 2>/dev/null; then
     for n in 0 4096; do
       python3 examples/qwen/parity.py --bin "$qw" --long-prompt $n --out "$out/qwen-parity-$n.json" \
