@@ -251,7 +251,9 @@ if has decode; then
   qg="$build/examples/qwen/qwen_gpu"
   "$qg" >"$out/qwen-gpu.log" 2>&1
   echo "qwen_gpu: rc=$?; $(grep -E "test cases" "$out/qwen-gpu.log")" | tee -a "$sum"
-  timeout "$mc_timeout" compute-sanitizer --tool memcheck --report-api-errors no "$qg" >"$out/memcheck-qwen-gpu.log" 2>&1
+  # The whole test under memcheck takes several minutes on an H200: at least 500 s allowed.
+  timeout "$((mc_timeout > 500 ? mc_timeout : 500))" compute-sanitizer --tool memcheck --report-api-errors no "$qg" \
+    >"$out/memcheck-qwen-gpu.log" 2>&1
   echo "memcheck qwen_gpu: rc=$?; $(grep -E "ERROR SUMMARY|test cases" "$out/memcheck-qwen-gpu.log" | tr '\n' ' ')" |
     tee -a "$sum"
   race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
