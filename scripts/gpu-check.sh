@@ -25,9 +25,8 @@
 #   prefill   the Qwen prefill: qwen_prefill_gpu plain, under memcheck and under racecheck (the
 #             attention kernel's cases), the bench's prefill rows (512 and 4096 tokens, against the
 #             compute floor) for the 0.6B and 4B shapes, parity.py with a 4096-token prompt
-#   decode    the Qwen decode kernels: qwen_gpu plain and whole under memcheck, racecheck of its
-#             4-warp attention case, parity.py (short prompt and a 4096-token one; when
-#             transformers is installed)
+#   decode    qwen_gpu plain and whole under memcheck (its racecheck cases and parity.py are in the
+#             qwen stage, the 4096-token parity in the prefill stage)
 #   chat      Qwen3-0.6B shape (random weights) with a real tokenizer.json (TOKENIZER): a chat turn
 #             greedy and sampled, eager and graph and device loop, printed as text
 #   tp        tensor parallel (2+ GPUs): the lockstep and multi-GPU tests, qwen_tp_gpu (TP 2 against
@@ -256,14 +255,6 @@ if has decode; then
     >"$out/memcheck-qwen-gpu.log" 2>&1
   echo "memcheck qwen_gpu: rc=$?; $(grep -E "ERROR SUMMARY|test cases" "$out/memcheck-qwen-gpu.log" | tr '\n' ' ')" |
     tee -a "$sum"
-  race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
-  if python3 -c 'import transformers' 2>/dev/null; then
-    for n in 0 4096; do
-      python3 examples/qwen/parity.py --bin "$qw" --long-prompt $n --out "$out/qwen-parity-$n.json" \
-        >"$out/qwen-parity-$n.log" 2>&1
-      grep -E "teacher-forced rel L2|PASS|FAIL" "$out/qwen-parity-$n.log" | sed "s/^/parity (long prompt $n): /" | tee -a "$sum"
-    done
-  fi
 fi
 
 if has chat; then

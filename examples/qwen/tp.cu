@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <exception>
 #include <mutex>
 #include <numeric>
@@ -157,9 +158,16 @@ struct TpEngine::Impl {
     std::rethrow_exception(cause ? cause : first);
   }
 
+  /// Aborts every communicator. Runs while a rank's exception is being rethrown, so a failed abort
+  /// is reported on stderr rather than thrown.
   void abort_comms() noexcept {
-    for (auto& c : comms) c.abort();
-    for (auto& c : agree) c.abort();
+    auto abort_one = [](replay::nccl_comm& c, const char* which, std::size_t r) {
+      if (const ncclResult_t e = c.abort(); e != ncclSuccess)
+        std::fprintf(stderr, "qwen::TpEngine: ncclCommAbort of rank %zu's %s communicator failed: %s\n", r, which,
+                     ncclGetErrorString(e));
+    };
+    for (std::size_t r = 0; r < comms.size(); ++r) abort_one(comms[r], "step", r);
+    for (std::size_t r = 0; r < agree.size(); ++r) abort_one(agree[r], "agreement", r);
     broken = true;
   }
 
