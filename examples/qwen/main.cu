@@ -122,7 +122,8 @@ Setup prepare(Args& a, const CLI::App& app) {
   if (!std::isfinite(a.kv_mb) || a.kv_mb <= 0 || a.kv_mb > double(1 << 24))
     throw input_error(fmt::format("--kv-mem-mb {} must be a positive number of MiB, at most 16777216", a.kv_mb));
   if (a.attn_min_chunk < 64 || a.attn_min_chunk > (1 << 24) || a.attn_min_chunk % 64 != 0)
-    throw input_error(fmt::format("--attn-min-chunk {} must be a positive multiple of 64", a.attn_min_chunk));
+    throw input_error(
+        fmt::format("--attn-min-chunk {} must be a positive multiple of 64, at most 16777216", a.attn_min_chunk));
   if (a.seed < 0) throw input_error(fmt::format("--seed {} must be non-negative", a.seed));
   if (a.random_prompt < 0 || a.random_prompt > a.max_context)
     throw input_error(

@@ -274,7 +274,7 @@ class nccl_comm : public nccl_comm_ref {
   /// rank failed mid-step (lockstep_error). Leaves it null. Never throws: returns ncclCommAbort's
   /// result (ncclSuccess for an empty communicator), for the caller to report; it runs on error
   /// paths that are already rethrowing a root cause.
-  ncclResult_t abort() noexcept {
+  [[nodiscard]] ncclResult_t abort() noexcept {
     const ncclResult_t r = comm_ != nullptr ? ncclCommAbort(comm_) : ncclSuccess;
     reset_ref();
     return r;
