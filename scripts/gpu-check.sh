@@ -31,7 +31,8 @@
 #             greedy and sampled, eager and graph and device loop, printed as text
 #   tp        tensor parallel (2+ GPUs): the lockstep and multi-GPU tests, qwen_tp_gpu (TP 2 against
 #             TP 1) plain and under memcheck, the all-reduce benchmark, eager == graph tokens at TP 2
-#             (TP 4 with 4 GPUs), the Qwen3-8B bench at TP 1 and 2 (Qwen3-32B at TP 1 and 4 with 4
+#             (TP 4 with 4 GPUs), the Qwen3-8B bench at TP 1 and 2 (at TP 2 with the one-shot sums and
+#             with --tp-sum nccl) (Qwen3-32B at TP 1 and 4 with 4
 #             GPUs) with the TP N / TP 1 ratios, parity.py --tp 2 (TP_STAGES picks the parts,
 #             TP_STEPS the bench's steps, 64; MC_TIMEOUT the TP memcheck's seconds, 580); build with
 #             TARGETS="host_test_lockstep gpu_test_multi_gpu bench_allreduce qwen qwen_host qwen_tp_gpu"
@@ -321,6 +322,7 @@ if has tp; then
     tp_tokens tokens-8b-tp2-greedy --preset qwen3-8b --tp 2 --batch 4 --gen 48
     tp_tokens tokens-8b-tp2-sampled --preset qwen3-8b --tp 2 --batch 3 --gen 48 --temperature 0.8 --top-k 50 --top-p 0.9
     tp_tokens tokens-tiny-tp2-demo --preset tiny --tp 2 --demo
+    tp_tokens tokens-8b-tp2-nccl-greedy --preset qwen3-8b --tp 2 --tp-sum nccl --batch 4 --gen 48
     tp_tokens tokens-8b-tp1-greedy --preset qwen3-8b --tp 1 --batch 4 --gen 48
     if [ "$ngpu" -ge 4 ]; then
       tp_tokens tokens-32b-tp4-greedy --preset qwen3-32b --tp 4 --batch 4 --gen 32
@@ -347,6 +349,7 @@ EOF
   if tp_has bench; then
     tp_bench bench-8b-tp1 --preset qwen3-8b --tp 1
     tp_bench bench-8b-tp2 --preset qwen3-8b --tp 2
+    tp_bench bench-8b-tp2-nccl --preset qwen3-8b --tp 2 --tp-sum nccl
     if [ "$ngpu" -ge 4 ]; then
       tp_bench bench-32b-tp1 --preset qwen3-32b --tp 1 --bench-batches 1
       tp_bench bench-32b-tp4 --preset qwen3-32b --tp 4 --bench-batches 1
@@ -370,8 +373,10 @@ def ratio(a, b, path, target, what):
     print(f"{what}: TP 1 {x:.3f} ms, TP N {y:.3f} ms, ratio {r:.3f} (target <= {target}): {'MET' if r <= target else 'MISSED'}")
 ratio("bench-8b-tp1", "bench-8b-tp2", ["batch1", "graph", "tpot_ms"], 0.65, "qwen3-8b batch 1 TPOT TP 2 / TP 1")
 ratio("bench-8b-tp1", "bench-8b-tp2", ["batched", "graph", "8", "step_ms"], 0.70, "qwen3-8b batch 8 step TP 2 / TP 1")
+ratio("bench-8b-tp1", "bench-8b-tp2-nccl", ["batch1", "graph", "tpot_ms"], 0.65, "NCCL sums: qwen3-8b batch 1 TPOT TP 2 / TP 1")
+ratio("bench-8b-tp1", "bench-8b-tp2-nccl", ["batched", "graph", "8", "step_ms"], 0.70, "NCCL sums: qwen3-8b batch 8 step TP 2 / TP 1")
 ratio("bench-32b-tp1", "bench-32b-tp4", ["batch1", "graph", "tpot_ms"], 0.35, "qwen3-32b batch 1 TPOT TP 4 / TP 1")
-for n in ("bench-8b-tp2", "bench-32b-tp4"):
+for n in ("bench-8b-tp2", "bench-8b-tp2-nccl", "bench-32b-tp4"):
     B = load(n)
     if B and "tp" in B:
         g = B["batch1"]["graph"]

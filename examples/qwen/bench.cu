@@ -201,22 +201,25 @@ replay_examples::stats prefill_ms(Decoder& eng, int n, std::uint64_t seed, int r
 
 #if QWEN_WITH_NCCL
 /// Tensor parallel: the GPU time of one decode step's collectives alone at `rows` rows, in ms: a graph
-/// of the greedy step's collectives, in its order and sizes (2 x layers in-place sums of rows x
-/// hidden floats, then the max of rows argmax keys), captured on every rank and replayed on all
-/// at once; rank 0's median of 20 replays.
-double step_collectives_ms(TpEngine& tp, int rows) {
+/// of the greedy step's collectives, in its order and sizes (2 x layers sums of rows x hidden floats,
+/// through NCCL in place or, `one_shot`, launch_peer_sum into the residual, then the max of rows
+/// argmax keys), captured on every rank and replayed on all at once; rank 0's median of 20 replays.
+double step_collectives_ms(TpEngine& tp, int rows, bool one_shot) {
   const Config& c = tp.config();
   std::vector<double> ms(static_cast<std::size_t>(tp.tp()));
   tp.for_each_rank([&](int r, Engine& e) {
     const replay::nccl_comm_ref comm = tp.comm(r);
+    const PeerSum& peers = tp.peer_sum(r);
     const replay::stream_ref s = e.stream();
     replay::device_buffer<float> x(std::size_t(rows) * c.hidden_size);
     replay::device_buffer<std::uint64_t> keys(static_cast<std::size_t>(rows));
     REPLAY_CHECK(cudaMemsetAsync(x.data(), 0, x.size_bytes(), s.get()));
     REPLAY_CHECK(cudaMemsetAsync(keys.data(), 0, keys.size_bytes(), s.get()));
     const auto exec = replay::capture(s, [&](replay::stream_ref cs) {
-                        for (int l = 0; l < 2 * c.num_hidden_layers; ++l)
-                          replay::all_reduce(comm, x.data(), x.data(), x.size(), ncclSum, cs);
+                        for (int l = 0; l < 2 * c.num_hidden_layers; ++l) {
+                          if (one_shot) launch_peer_sum(peers, l % 2, x.size(), x.data(), cs);
+                          else replay::all_reduce(comm, x.data(), x.data(), x.size(), ncclSum, cs);
+                        }
                         replay::all_reduce(comm, keys.data(), keys.data(), keys.size(), ncclMax, cs);
                       }).instantiate({.upload_stream = s.get()});
     ms[static_cast<std::size_t>(r)] = replay_examples::median_gpu_ms(s, 20, [&] { exec.launch(s); });
@@ -441,29 +444,38 @@ void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json
   fmt::print("\n## Batched decode ({} steps, prompt {} tokens)\n{}", steps, prompt.size(), tb.markdown());
 #if QWEN_WITH_NCCL
   if (auto* tpe = dynamic_cast<TpEngine*>(&eng)) {
-    // The step's collectives alone, per bucket the bench ran, against that bucket's graph step.
-    replay_examples::table tc({"bucket", "collectives (ms)", "graph step (ms)", "share"});
+    // The step's collectives alone, per bucket the bench ran, against that bucket's graph step:
+    // through NCCL, and over peer memory where the engine set it up (its default).
+    const bool one_shot = tpe->peer_sum(0).size > 0;
+    replay_examples::table tc({"bucket", "NCCL sums (ms)", "one-shot sums (ms)", "graph step (ms)",
+                               fmt::format("share ({})", one_shot ? "one-shot" : "NCCL")});
     std::vector<int> bs{1};
     for (int b : o.batches) bs.push_back(eng.bucket_for(b));
     std::sort(bs.begin(), bs.end());
     bs.erase(std::unique(bs.begin(), bs.end()), bs.end());
     json& jt = out["bench"]["tp"];
     jt["tp"] = tp;
+    jt["sum"] = one_shot ? "one-shot" : "nccl";
     for (double b : bws) jt["d2d_GBps_per_device"].push_back(b / 1e9);
     jt["weight_bytes_per_rank"] = wbytes;
     for (int b : bs) {
-      const double cms = step_collectives_ms(*tpe, b);
+      const double nccl_ms = step_collectives_ms(*tpe, b, false);
+      const double peer_ms = one_shot ? step_collectives_ms(*tpe, b, true) : 0.0;
+      const double cms = one_shot ? peer_ms : nccl_ms;
       double step_ms = b == 1 ? tpot_graph_ms : 0.0;
       for (int n : o.batches)
         if (eng.bucket_for(n) == b && out["bench"]["batched"].contains("graph"))
           step_ms = out["bench"]["batched"]["graph"][std::to_string(n)]["step_ms"].get<double>();
-      tc.add_row({std::to_string(b), fmt::format("{:.3f}", cms), step_ms > 0 ? fmt::format("{:.3f}", step_ms) : "-",
+      tc.add_row({std::to_string(b), fmt::format("{:.3f}", nccl_ms), one_shot ? fmt::format("{:.3f}", peer_ms) : "-",
+                  step_ms > 0 ? fmt::format("{:.3f}", step_ms) : "-",
                   step_ms > 0 ? fmt::format("{:.1f}%", 100.0 * cms / step_ms) : "-"});
       jt["collectives_ms"][std::to_string(b)] = cms;
+      jt["collectives_nccl_ms"][std::to_string(b)] = nccl_ms;
+      if (one_shot) jt["collectives_one_shot_ms"][std::to_string(b)] = peer_ms;
       if (step_ms > 0) jt["collectives_share"][std::to_string(b)] = cms / step_ms;
     }
-    fmt::print("\n## Tensor parallel over {} GPUs: one step's collectives alone ({} all-reduces of rows x {} fp32 "
-               "and one max of rows argmax keys, a graph, median)\n{}",
+    fmt::print("\n## Tensor parallel over {} GPUs: one step's collectives alone ({} sums of rows x {} fp32 and one "
+               "max of rows argmax keys through NCCL, a graph, median)\n{}",
                tp, 2 * cfg.num_hidden_layers, cfg.hidden_size, tc.markdown());
   }
 #endif

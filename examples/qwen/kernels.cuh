@@ -1,5 +1,5 @@
 // examples/qwen/kernels.cuh: the decoder's kernels, as launchers (gemv.cu, attention.cu,
-// prefill_attention.cu, ops.cu).
+// prefill_attention.cu, allreduce.cu, ops.cu).
 //
 // Every per-step value (each row's token id, position and block-table slot) is read by the kernels
 // through the fixed device pointers of RowMeta, never passed by value, so a captured graph replays
@@ -166,6 +166,33 @@ void launch_prefill_attention(const float* qkv, int q_heads, const bf16* q_norm,
                               RowMeta meta, int rows, KvPool kv, int layer, bf16* out, replay::stream_ref s);
 /// Sets the prefill attention kernels' dynamic shared-memory limit (once per process, before launching).
 void init_prefill_attention_attributes();
+
+// ---- the tensor-parallel sum over peer memory (allreduce.cu) ---------------------------------------
+
+inline constexpr int kMaxPeers = 8;          ///< ranks a PeerSum can join
+inline constexpr int kPeerSumBlocks = 128;   ///< blocks of every launch_peer_sum (each has its own flags)
+
+/// One rank's view of a tensor-parallel group's exchange buffers (EngineOptions::tp_sum one_shot):
+/// every pointer is valid on this rank's device (peer access on between all pairs) and fixed for
+/// the group's lifetime, so a captured step keeps them. size 0: none (the sums go through NCCL).
+struct PeerSum {
+  float* in[kMaxPeers][2] = {};        ///< rank r's two exchange buffers (0: after O, 1: after down), [rows][H] fp32
+  unsigned* flags[kMaxPeers] = {};     ///< rank r's arrival flags, [kMaxPeers][kPeerSumBlocks], written by the others
+  unsigned* calls = nullptr;           ///< this rank's launches so far, per block [kPeerSumBlocks] (its own memory)
+  int rank = 0;                        ///< this rank
+  int size = 0;                        ///< ranks (0: no PeerSum)
+  unsigned long long timeout_ns = 60'000'000'000ull;  ///< a peer that does not arrive in this long traps the kernel
+};
+
+/// residual[0..n) += the sum over ranks 0..size-1, in rank order, of rank r's exchange buffer `slot`
+/// (every rank computes the same values), one launch on every rank per sum and in the same order:
+/// each block announces its arrival to the other ranks, waits for theirs (so every rank's product is
+/// complete), then reads its share of every rank's buffer over NVLink. The two slots alternate (O,
+/// down), so a rank cannot overwrite a buffer a peer still reads: before its next write there, it
+/// has passed the other slot's sum, which the peer only enters after finishing this one. A peer
+/// that never arrives (a rank that failed) makes the kernel trap after p.timeout_ns, which ends the
+/// context with an error instead of a hang. n: a multiple of 4.
+void launch_peer_sum(const PeerSum& p, int slot, std::size_t n, float* residual, replay::stream_ref s);
 
 // ---- small ops (ops.cu) ----------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ struct Engine::Impl {
 #if QWEN_WITH_NCCL
   TpComms comms{};  // tp_size > 1: the step's collectives and the runner's agreements
 #endif
+  PeerSum peers{};  // tp_size > 1, TpSum::one_shot: the group's exchange buffers (comms.sum)
   int max_rows = 0;  // rows of the activation buffers: max(max_batch, prefill_chunk)
   int num_sms = 0;
   replay::stream stream;
@@ -149,6 +150,9 @@ struct Engine::Impl {
           throw replay::usage_error(fmt::format(
               "qwen::Engine: rank {} of {} on device {} needs communicators of that rank, size and device",
               opt.tp_rank, tp, device));
+      if (opt.tp_sum == TpSum::one_shot && (comms.sum.size != tp || comms.sum.rank != opt.tp_rank))
+        throw replay::usage_error(fmt::format("qwen::Engine: rank {} of {} sums over peer memory (TpSum::one_shot) "
+                                              "and needs its group's PeerSum", opt.tp_rank, tp));
     }
 #else
     if (tp > 1) throw input_error("tensor parallel needs a build with NCCL (QWEN_WITH_NCCL)");
@@ -285,9 +289,11 @@ struct Engine::Impl {
     head = {.W = base + head_at, .N = sh.vocab, .K = cfg.hidden_size,
             .in = {.norm_w = base + norm_at, .eps = eps},
             .mode = opt.sampling ? gemv_out::store_f32 : gemv_out::argmax, .index0 = sh.vocab0};
-    // O and down: rank 0 adds its product to the residual, the other ranks store their partial
-    // products there; the all-reduce after them (step) sums the ranks' residuals.
-    const gemv_out partial = sh.rank == 0 ? gemv_out::add_f32 : gemv_out::store_f32;
+    // O and down: through NCCL, rank 0 adds its product to the residual and the other ranks store
+    // their partial products there, and the all-reduce after them (step) sums the ranks' residuals;
+    // over peer memory, every rank stores its product in its exchange buffer (build_layers) and the
+    // sum's kernel adds all of them to the residual.
+    const gemv_out partial = sh.rank == 0 && !peer_sum() ? gemv_out::add_f32 : gemv_out::store_f32;
     for (int i = 0; i < cfg.num_hidden_layers; ++i) {
       const auto& o = lay[i];
       Layer l;
@@ -364,9 +370,9 @@ struct Engine::Impl {
     const int H = cfg.hidden_size;
     for (auto& l : layers) {
       l.qkv.in.x_f32 = residual, l.qkv.y_f32 = qkv, l.qkv.ldy = sh.qkv_dim;
-      l.o.in.x_bf16 = attn, l.o.y_f32 = residual, l.o.ldy = H;
+      l.o.in.x_bf16 = attn, l.o.y_f32 = peer_sum() ? peers.in[sh.rank][0] : residual, l.o.ldy = H;
       l.gate_up.in.x_f32 = residual, l.gate_up.y_bf16 = act, l.gate_up.ldy = sh.inter;
-      l.down.in.x_bf16 = act, l.down.y_f32 = residual, l.down.ldy = H;
+      l.down.in.x_bf16 = act, l.down.y_f32 = peer_sum() ? peers.in[sh.rank][1] : residual, l.down.ldy = H;
     }
     head.in.x_f32 = residual, head.y_f32 = head_out, head.ldy = sh.vocab, head.keys = keys;
   }
@@ -407,25 +413,30 @@ struct Engine::Impl {
       launch_attention(qkv, sh.q_heads, w.q_norm, w.k_norm, eps(), rope, meta, rows, kv, l,
                        /*write_kv=*/true, p.attn, attn, s);
       linear(w.o, rows, p.o, s);            // + residual
-      reduce_residual(rows, s);
+      reduce_residual(rows, 0, s);
       linear(w.gate_up, rows, p.gate_up, s);  // post-attention RMSNorm folded in; SiLU(gate) * up
       linear(w.down, rows, p.down, s);      // + residual
-      reduce_residual(rows, s);
+      reduce_residual(rows, 1, s);
     }
     lm_head(head, rows, p.head, meta.rows, s);  // final RMSNorm folded in
   }
 
-  /// Tensor parallel: after O and after down, rank 0's residual holds residual + its product and
-  /// every other rank's its partial product; one in-place sum over the ranks (rows x H floats)
-  /// leaves residual + the full product on every rank. Nothing at tp_size 1.
-  void reduce_residual(int rows, replay::stream_ref s) {
+  /// Tensor parallel: after O (slot 0) and after down (slot 1), residual + the sum of the ranks'
+  /// products on every rank. Through NCCL, rank 0's residual holds residual + its product and every
+  /// other rank's its product: one in-place sum over the ranks (rows x H floats). Over peer memory,
+  /// each rank's product is in its exchange buffer `slot`: one launch_peer_sum. Nothing at tp_size 1.
+  void reduce_residual(int rows, int slot, replay::stream_ref s) {
+    const std::size_t n = std::size_t(rows) * cfg.hidden_size;
+    if (peer_sum()) return launch_peer_sum(peers, slot, n, residual, s);
 #if QWEN_WITH_NCCL
-    if (sh.size > 1)
-      replay::all_reduce(comms.step, residual, residual, std::size_t(rows) * cfg.hidden_size, ncclSum, s);
+    if (sh.size > 1) replay::all_reduce(comms.step, residual, residual, n, ncclSum, s);
 #else
-    (void)rows, (void)s;
+    (void)n, (void)slot, (void)s;
 #endif
   }
+
+  /// The step's sums go through launch_peer_sum (tensor parallel, TpSum::one_shot).
+  [[nodiscard]] bool peer_sum() const { return sh.size > 1 && opt.tp_sum == TpSum::one_shot; }
 
   /// The lm_head on `rows` rows and the choice of each row's token, as a packed key in `keys`: the
   /// GEMV's argmax epilogue, or (sampling) the logits and then the sampler, which reads the row's
@@ -457,10 +468,10 @@ struct Engine::Impl {
       launch_kv_write(qkv, sh.q_heads, w.k_norm, eps(), rope, meta, rows, kv, l, s);
       launch_prefill_attention(qkv, sh.q_heads, w.q_norm, eps(), rope, meta, rows, kv, l, attn, s);
       linear(w.o, rows, std::nullopt, s);
-      reduce_residual(rows, s);
+      reduce_residual(rows, 0, s);
       linear(w.gate_up, rows, std::nullopt, s);
       linear(w.down, rows, std::nullopt, s);
-      reduce_residual(rows, s);
+      reduce_residual(rows, 1, s);
     }
   }
 
@@ -609,6 +620,7 @@ Engine::Engine(const Config& cfg, const EngineOptions& opt, const replay_example
   impl_->cfg = cfg;
   impl_->opt = opt;
   impl_->comms = comms;
+  impl_->peers = comms.sum;
   impl_->init(weights);
 }
 #endif

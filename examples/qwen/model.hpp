@@ -136,10 +136,13 @@ class Decoder {
 
 #if QWEN_WITH_NCCL
 /// One tensor-parallel rank's communicators, borrowed (they outlive the engine): `step` carries the
-/// step's collectives; `agree` (made with nccl_comm::split) only the lockstep runner's agreements.
+/// step's collectives; `agree` (made with nccl_comm::split) only the lockstep runner's agreements;
+/// `sum` (EngineOptions::tp_sum one_shot) the group's exchange buffers and flags, each rank's
+/// buffers holding max(max_batch, prefill_chunk) rows of the hidden size per slot.
 struct TpComms {
   replay::nccl_comm_ref step;
   replay::nccl_comm_ref agree;
+  PeerSum sum;
 };
 #endif
 

@@ -69,6 +69,12 @@ inline void check_tp_request(const Config& c, int tp, int devices, bool nccl_bui
     throw input_error(fmt::format("--tp {} needs {} GPUs (one rank per GPU); {} present", tp, tp, devices));
 }
 
+/// Tensor parallel: how a step sums the ranks' O and down products into the residual.
+enum class TpSum {
+  nccl,      ///< ncclAllReduce of the fp32 residual, in place (rank 0 adds its product first)
+  one_shot,  ///< one kernel reads every rank's product over peer memory and adds the sum (allreduce.cu)
+};
+
 /// Run-time sizes of the engine (everything is allocated once from these).
 struct EngineOptions {
   int max_batch = 64;                        ///< rows the activation buffers hold (largest batch)
@@ -85,6 +91,7 @@ struct EngineOptions {
   bool sampling = false;                     ///< the lm_head writes logits and a sampler picks the token; off: argmax
   int tp_size = 1;                           ///< tensor-parallel ranks (one engine per rank; tp.hpp)
   int tp_rank = 0;                           ///< this engine's rank in 0..tp_size-1
+  TpSum tp_sum = TpSum::one_shot;            ///< tensor parallel: the sums' kernel (one_shot needs peer access)
 
   /// Device bytes of one KV block on one rank (a rank holds kv_heads / tp_size heads).
   [[nodiscard]] std::int64_t block_bytes(const Config& c) const { return kv_block_bytes(c, block_size) / tp_size; }

@@ -44,11 +44,20 @@ bool is_lockstep_error(const std::exception_ptr& e) {
 
 }  // namespace
 
+/// One rank's memory for the sums over peer memory (TpSum::one_shot), on its device: two exchange
+/// buffers of rows x hidden floats, the flags the other ranks write, and its own call counts.
+struct PeerMemory {
+  replay::device_buffer<float> exchange;
+  replay::device_buffer<unsigned> flags, calls;
+};
+
 struct TpEngine::Impl {
   Config cfg;
   int tp = 0;
   std::vector<replay::nccl_comm> comms;  // the step's collectives, rank r on device r
   std::vector<replay::nccl_comm> agree;  // the lockstep runners' agreements (split off comms)
+  std::vector<PeerMemory> peer_mem;      // TpSum::one_shot: rank r's on device r (outlives the engines)
+  std::vector<PeerSum> sums;             // TpSum::one_shot: rank r's view of peer_mem (else size 0)
   std::vector<std::optional<Engine>> engines;
   std::vector<std::vector<int>> scratch;  // ranks 1..: their tokens (compared with rank 0's)
   bool broken = false;                    // a rank failed mid-call: communicators aborted
@@ -198,6 +207,19 @@ TpEngine::TpEngine(const Config& cfg, const EngineOptions& opt, const replay_exa
   int devices = 0;
   REPLAY_CHECK(cudaGetDeviceCount(&devices));
   if (tp > devices) throw input_error(fmt::format("--tp {} needs {} GPUs (one rank per GPU); {} present", tp, tp, devices));
+  const bool one_shot = o.tp_sum == TpSum::one_shot;
+  if (one_shot) {
+    if (tp > kMaxPeers)
+      throw input_error(fmt::format("--tp {}: the one-shot sum joins at most {} ranks (--tp-sum nccl)", tp, kMaxPeers));
+    for (int a = 0; a < tp; ++a)
+      for (int b = 0; b < tp; ++b) {
+        int ok = 0;
+        if (a != b) REPLAY_CHECK(cudaDeviceCanAccessPeer(&ok, a, b));
+        if (a != b && ok == 0)
+          throw input_error(fmt::format("--tp {}: GPU {} cannot access GPU {}'s memory, which the one-shot sum "
+                                        "needs (--tp-sum nccl)", tp, a, b));
+      }
+  }
   // ---- GPU work starts here -------------------------------------------------------------------
   m.cfg = cfg;
   m.tp = tp;
@@ -208,12 +230,46 @@ TpEngine::TpEngine(const Config& cfg, const EngineOptions& opt, const replay_exa
   m.engines.resize(ids.size());
   m.scratch.assign(ids.size(), std::vector<int>(static_cast<std::size_t>(o.max_batch)));
   m.start_workers();
+  // Rows x hidden floats per exchange slot: what the engine's activation buffers hold.
+  const std::size_t slot_floats = std::size_t(std::max(o.max_batch, o.prefill_chunk)) * cfg.hidden_size;
+  if (one_shot) m.peer_mem.resize(ids.size());
   m.run([&](int r) {
     const auto i = static_cast<std::size_t>(r);
     m.agree[i] = m.comms[i].split();  // collective: every worker at once
+    if (!one_shot) return;
+    for (int q = 0; q < tp; ++q) {
+      if (q == r) continue;
+      const cudaError_t e = cudaDeviceEnablePeerAccess(q, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();  // NCCL may have done it
+      else REPLAY_CHECK(e);
+    }
+    PeerMemory& pm = m.peer_mem[i];
+    pm.exchange = replay::device_buffer<float>(2 * slot_floats);
+    pm.flags = replay::device_buffer<unsigned>(std::size_t(kMaxPeers) * kPeerSumBlocks);
+    pm.calls = replay::device_buffer<unsigned>(kPeerSumBlocks);
+    REPLAY_CHECK(cudaMemset(pm.exchange.data(), 0, pm.exchange.size_bytes()));
+    REPLAY_CHECK(cudaMemset(pm.flags.data(), 0, pm.flags.size_bytes()));
+    REPLAY_CHECK(cudaMemset(pm.calls.data(), 0, pm.calls.size_bytes()));
+    REPLAY_CHECK(cudaDeviceSynchronize());
+  });
+  // Every rank's view of the group: the same buffers, its own rank and call counts.
+  auto& sums = m.sums;
+  sums.resize(ids.size());
+  for (std::size_t r = 0; one_shot && r < ids.size(); ++r) {
+    PeerSum& ps = sums[r];
+    for (std::size_t q = 0; q < ids.size(); ++q) {
+      ps.in[q][0] = m.peer_mem[q].exchange.data();
+      ps.in[q][1] = m.peer_mem[q].exchange.data() + slot_floats;
+      ps.flags[q] = m.peer_mem[q].flags.data();
+    }
+    ps.calls = m.peer_mem[r].calls.data();
+    ps.rank = static_cast<int>(r), ps.size = tp;
+  }
+  m.run([&](int r) {
+    const auto i = static_cast<std::size_t>(r);
     EngineOptions ro = o;
     ro.tp_rank = r;
-    m.engines[i].emplace(cfg, ro, weights, TpComms{m.comms[i].ref(), m.agree[i].ref()});
+    m.engines[i].emplace(cfg, ro, weights, TpComms{m.comms[i].ref(), m.agree[i].ref(), sums[i]});
   });
   for (int r = 1; r < tp; ++r) m.engines[0]->kv().add_follower(m.engines[static_cast<std::size_t>(r)]->kv());
 }
@@ -225,6 +281,7 @@ TpEngine& TpEngine::operator=(TpEngine&&) noexcept = default;
 int TpEngine::tp() const { return impl_->tp; }
 Engine& TpEngine::rank(int r) { return *impl_->engines.at(static_cast<std::size_t>(r)); }
 replay::nccl_comm_ref TpEngine::comm(int r) const { return impl_->comms.at(static_cast<std::size_t>(r)).ref(); }
+const PeerSum& TpEngine::peer_sum(int r) const { return impl_->sums.at(static_cast<std::size_t>(r)); }
 void TpEngine::for_each_rank(const std::function<void(int, Engine&)>& f) {
   impl_->run([&](int r) { f(r, *impl_->engines[static_cast<std::size_t>(r)]); });
 }

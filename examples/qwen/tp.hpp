@@ -4,7 +4,10 @@
 //
 // TpEngine(cfg, opt, weights, tp) makes the communicators of devices 0..tp-1 (ncclCommInitAll), starts
 // one worker thread per rank (its device set once), and builds each rank's Engine (opt.tp_rank =
-// rank) on its worker, after splitting the rank's agreement communicator off there. Every call
+// rank) on its worker, after splitting the rank's agreement communicator off there. With
+// opt.tp_sum one_shot (the default) it also turns on peer access between every pair of GPUs and
+// allocates each rank's exchange buffers and flags (kernels.cuh, PeerSum), which the ranks' sums
+// read over NVLink. Every call
 // (prefill, decode, set_sampling, prewarm_graphs) posts the same call to every worker and returns
 // when all have finished; rank 0's results are returned (every rank computes the same tokens).
 // Logits: each rank writes its own vocabulary columns of the caller's span.
@@ -51,6 +54,9 @@ class TpEngine final : public Decoder {
   [[nodiscard]] Engine& rank(int r);
   /// Rank r's step communicator (for measurements of the step's collectives).
   [[nodiscard]] replay::nccl_comm_ref comm(int r) const;
+  /// Rank r's view of the group's exchange buffers (options().tp_sum one_shot; else size 0), for
+  /// measurements: a launch_peer_sum made outside the step must be made on every rank.
+  [[nodiscard]] const PeerSum& peer_sum(int r) const;
   /// Runs f(r, rank r's engine) on every rank's worker thread (its device current) and returns when
   /// all have finished; failures as for the other calls. f must make the same collectives, in the
   /// same order, on every rank.

@@ -18,9 +18,10 @@ namespace {
 
 constexpr int kTp = 2;
 
-EngineOptions tp_opts(bool sampling = false) {
+EngineOptions tp_opts(bool sampling = false, TpSum sum = TpSum::one_shot) {
   EngineOptions o = small_opts();
   o.sampling = sampling;
+  o.tp_sum = sum;
   return o;
 }
 
@@ -91,26 +92,36 @@ int decisive_argmax_mismatches(const std::vector<float>& got, const std::vector<
 TEST_CASE("TP 2: teacher-forced logits match TP 1 (prefill, batched decode of 3 rows in bucket 4)") {
   Config untied = preset("tiny-hd128");  // its own lm_head, sliced by vocabulary rows
   untied.name = "tiny-hd128-untied", untied.tie_word_embeddings = false;
-  for (const Config& c : {preset("tiny"), untied}) {
-    const std::string name = c.name;
+  for (const auto& [c, sum] : {std::pair{preset("tiny"), TpSum::one_shot}, std::pair{untied, TpSum::one_shot},
+                               std::pair{preset("tiny"), TpSum::nccl}, std::pair{untied, TpSum::nccl}}) {
+    const std::string name = c.name + (sum == TpSum::nccl ? " (NCCL sums)" : " (one-shot sums)");
     CAPTURE(name);
     REQUIRE(c.num_key_value_heads % kTp == 0);
     const auto prompts = prompts_of(3, 12, 0, 5, c.vocab_size);  // 3 rows: bucket 4 has one padding row
     REPLAY_CHECK(cudaSetDevice(0));
-    std::vector<float> one;
+    std::vector<float> one, one_cublas;
     {
       Engine e1(c, tp_opts(), nullptr);
       one = teacher_forced(e1, prompts, 5, false);
+      EngineOptions o = tp_opts();
+      o.gemv_max_rows = 0;  // the same sums in cuBLAS's order: what reordering alone moves the logits
+      Engine e1c(c, o, nullptr);
+      one_cublas = teacher_forced(e1c, prompts, 5, false);
     }
-    TpEngine tp(c, tp_opts(), nullptr, kTp);
+    TpEngine tp(c, tp_opts(false, sum), nullptr, kTp);
     CHECK(tp.bucket_for(3) == 4);
     const auto eager = teacher_forced(tp, prompts, 5, false);
     const auto graph = teacher_forced(tp, prompts, 5, true);
     const std::size_t V = c.vocab_size;
     CHECK(differing(eager, graph) == 0);  // the same launches and collectives: bit-identical
     const double err = max_rel_l2(eager, one, V);
-    MESSAGE(name, ": TP 2 vs TP 1 logits, max relative L2 error ", err);
-    CHECK(err < 2e-3);  // the fp32 sums of the ranks' partial products, added in another order
+    const double reorder = max_rel_l2(one_cublas, one, V);
+    MESSAGE(name, ": TP 2 vs TP 1 logits, max relative L2 error ", err, " (TP 1 on cuBLAS vs TP 1: ", reorder, ")");
+    // The ranks' fp32 partial sums are added in another order; where that moves an fp32 value across
+    // a bf16 rounding boundary (the GEMVs' input, the K/V cache), the step differs by one bf16 ulp
+    // there. parity.py's tolerance against transformers is 2e-2; a wrong shard or a missing
+    // collective is off by O(1).
+    CHECK(err < 1e-2);
     CHECK(decisive_argmax_mismatches(eager, one, V, 2e-3) == 0);
     const GraphStats gs = tp.graph_stats();
     CHECK(gs.captures == 1);                    // bucket 4
