@@ -35,7 +35,6 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,7 +54,7 @@ struct Args {
   int gen = 32, batch = 1, max_bucket = 64, max_context = 4096, teacher_force = -1, gemv_max_rows = 16,
       attn_min_chunk = 128;
   int bench_steps = 0, long_prompt = 4096, tokens_per_launch = 0, tp = 1;
-  TpSum tp_sum = TpSum::one_shot;
+  std::string tp_sum = "one-shot";
   double kv_mb = 1024;
   bool bench = false, demo = false, no_fallback = false, quiet = false;
   TextOptions text;  ///< --tokenizer, --tokenize, --detokenize, --prompt-text, --chat, --system
@@ -98,8 +97,7 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--tp-sum", a.tp_sum,
                  "tensor parallel: how the ranks' O and down products are summed: one-shot (a kernel reading "
                  "every GPU's product over peer memory) or nccl (ncclAllReduce)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, TpSum>{{"one-shot", TpSum::one_shot},
-                                                                        {"nccl", TpSum::nccl}}));
+      ->check(CLI::IsMember({"one-shot", "nccl"}));
   add_text_flags(app, a.text);
 }
 
@@ -189,7 +187,7 @@ Setup prepare(Args& a, const CLI::App& app) {
   opt.gemv_max_rows = a.gemv_max_rows;
   opt.attn_min_chunk = a.attn_min_chunk;
   opt.tp_size = a.tp;  // the KV budget is per GPU; each GPU holds 1/tp of the kv heads
-  opt.tp_sum = a.tp_sum;
+  opt.tp_sum = a.tp_sum == "nccl" ? TpSum::nccl : TpSum::one_shot;
 
   s.sample = sampling_from_flags(a.text);
   opt.sampling = s.sample.temperature > 0;  // the head then writes logits for the sampler
