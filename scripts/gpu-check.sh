@@ -26,7 +26,8 @@
 #             attention kernel's cases), the bench's prefill rows (512 and 4096 tokens, against the
 #             compute floor) for the 0.6B and 4B shapes, parity.py with a 4096-token prompt
 #   decode    qwen_gpu plain and whole under memcheck (its racecheck cases and parity.py are in the
-#             qwen stage, the 4096-token parity in the prefill stage)
+#             qwen stage, the 4096-token parity in the prefill stage); qwen_peer_sum_gpu (the
+#             tensor-parallel one-shot sum, its ranks on one GPU) plain, under memcheck and racecheck
 #   chat      Qwen3-0.6B shape (random weights) with a real tokenizer.json (TOKENIZER): a chat turn
 #             greedy and sampled, eager and graph and device loop, printed as text
 #   tp        tensor parallel (2+ GPUs): the lockstep and multi-GPU tests, qwen_tp_gpu (TP 2 against
@@ -256,6 +257,13 @@ if has decode; then
     >"$out/memcheck-qwen-gpu.log" 2>&1
   echo "memcheck qwen_gpu: rc=$?; $(grep -E "ERROR SUMMARY|test cases" "$out/memcheck-qwen-gpu.log" | tr '\n' ' ')" |
     tee -a "$sum"
+  # The tensor-parallel one-shot sum, its ranks on this one GPU: plain, memcheck, racecheck.
+  ps="$build/examples/qwen/qwen_peer_sum_gpu"
+  for tool in "" "compute-sanitizer --tool memcheck" "compute-sanitizer --tool racecheck --racecheck-report all"; do
+    timeout 200 $tool "$ps" >"$out/peer-sum.log" 2>&1
+    echo "qwen_peer_sum_gpu ${tool:-plain}: rc=$?; $(grep -E "SUMMARY|test cases" "$out/peer-sum.log" | tr '\n' ' ')" |
+      tee -a "$sum"
+  done
 fi
 
 if has chat; then
