@@ -191,7 +191,7 @@ struct PeerSum {
 /// down), so a rank cannot overwrite a buffer a peer still reads: before its next write there, it
 /// has passed the other slot's sum, which the peer only enters after finishing this one. A peer
 /// that never arrives (a rank that failed) makes the kernel trap after p.timeout_ns, which ends the
-/// context with an error instead of a hang. n: a multiple of 4.
+/// context with an error instead of a hang. n: a multiple of 4, at most an exchange buffer's size.
 void launch_peer_sum(const PeerSum& p, int slot, std::size_t n, float* residual, replay::stream_ref s);
 
 // ---- small ops (ops.cu) ----------------------------------------------------------------------------
