@@ -446,7 +446,7 @@ void run_bench(Decoder& eng, const BenchOptions& o, const std::string& dev, json
   if (auto* tpe = dynamic_cast<TpEngine*>(&eng)) {
     // The step's collectives alone, per bucket the bench ran, against that bucket's graph step:
     // through NCCL, and over peer memory where the engine set it up (its default).
-    const bool one_shot = tpe->peer_sum(0).size > 0;
+    const bool one_shot = tpe->options().tp_sum == TpSum::one_shot;
     replay_examples::table tc({"bucket", "NCCL sums (ms)", "one-shot sums (ms)", "graph step (ms)",
                                fmt::format("share ({})", one_shot ? "one-shot" : "NCCL")});
     std::vector<int> bs{1};

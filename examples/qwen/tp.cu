@@ -213,9 +213,10 @@ TpEngine::TpEngine(const Config& cfg, const EngineOptions& opt, const replay_exa
       throw input_error(fmt::format("--tp {}: the one-shot sum joins at most {} ranks (--tp-sum nccl)", tp, kMaxPeers));
     for (int a = 0; a < tp; ++a)
       for (int b = 0; b < tp; ++b) {
+        if (a == b) continue;
         int ok = 0;
-        if (a != b) REPLAY_CHECK(cudaDeviceCanAccessPeer(&ok, a, b));
-        if (a != b && ok == 0)
+        REPLAY_CHECK(cudaDeviceCanAccessPeer(&ok, a, b));
+        if (ok == 0)
           throw input_error(fmt::format("--tp {}: GPU {} cannot access GPU {}'s memory, which the one-shot sum "
                                         "needs (--tp-sum nccl)", tp, a, b));
       }
