@@ -3,9 +3,10 @@
 // One block per (kv head, row, split) serves the G query heads that share the kv head, so each
 // sequence's K/V is read once per step. Per-head RMSNorm (q_norm / k_norm) and RoPE are fused into
 // the prologue; in decode the block that owns the row's last position also writes the new K/V into
-// the pool. Before pdl::wait() the kernel reads the step metadata and the first 8 positions' K/V per
-// warp (decode only: this kernel is the step's only writer of the layer's cache). Long contexts are
-// split over several blocks (AttnPlan) and merged by the last block to finish.
+// the pool. Before pdl::wait() the kernel reads the step metadata and the K/V of its first load
+// iteration into registers, and of a short context's second into shared memory (decode only: this
+// kernel is the step's only writer of the layer's cache). Long contexts are split over several
+// blocks (AttnPlan) and merged by the last block to finish.
 #include "kernels.cuh"
 #include "device.cuh"
 
@@ -74,10 +75,14 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
 }
 
 constexpr int kAttnWarps = 8;  // warps per block at most (AttnPlan::warps: 4 or 8)
+constexpr int kStaged = kAttnWarps * 8;  // positions of a block's second load iteration (8 per warp)
 
 /// One block per (kv head, row, split): the G query heads sharing that kv head. LPT lanes per token
 /// (DPL dims each), 8 positions per warp in flight; online softmax per lane group, then a combine
-/// across groups (shuffles) and warps (shared memory).
+/// across groups (shuffles) and warps (shared memory). In decode the first iteration's K/V is on its
+/// way into registers before the wait, and where the context is one chunk and the block has 8 warps,
+/// the second's into shared memory (each lane copying the pieces it reads later, cp.async): a
+/// context of up to 128 positions then reads no K/V after the wait.
 /// Split-KV (AttnPlan, decode): a long context is cut into chunks of at least sp.min_chunk
 /// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
 /// block writes the output itself; otherwise each block stores its partial softmax state and the
@@ -95,7 +100,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   constexpr int PPW = 32 / LPT; // positions per warp and load round
   __shared__ float q_s[G][D];
   __shared__ float red_m[kAttnWarps][G], red_l[kAttnWarps][G];
-  __shared__ float red_acc[kAttnWarps][G][D];
+  // The second iteration's K and V (read in the loop), then the warps' outputs (written after it).
+  constexpr std::size_t kStageBytes = std::size_t(2) * kStaged * D * sizeof(bf16);
+  constexpr std::size_t kRedBytes = std::size_t(kAttnWarps) * G * D * sizeof(float);
+  __shared__ __align__(16) unsigned char scratch[kStageBytes > kRedBytes ? kStageBytes : kRedBytes];
+  bf16* const stage_k = reinterpret_cast<bf16*>(scratch);
+  bf16* const stage_v = stage_k + kStaged * D;
+  float* const red_acc = reinterpret_cast<float*>(scratch);
   __shared__ __align__(16) bf16 k_new[D], v_new[D];  // decode: position pos's K/V as written to the cache
 
   replay::pdl::launch_dependents();
@@ -135,18 +146,49 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   const std::int32_t* table = meta.block_table + std::size_t(row_slot) * meta.table_width;
   const int blk_pos = table[pos / kv.block_size];
   const int base0 = begin + warp * PPW;  // this warp's first position
+  // The second iteration's positions go to shared memory where the context is one chunk and the
+  // block has 8 warps (stage): slot u * stride + warp * PPW + grp, the position's offset from the
+  // iteration's first (below kStaged). Both iterations' block-table entries are read first, in one
+  // round trip. (Staging the chunks of a split context too took more from the step's other kernels
+  // than it gave: see docs/perf-notes.md.)
+  const bool stage = pre && chunks == 1 && nwarps == kAttnWarps;
+  const int slot0 = (warp * PPW + grp) * D + sub * DPL;
+  int blk_pre[2][T];
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int u = 0; u < T; ++u) {
+      const int t = base0 + (u + k * T) * stride + grp;
+      blk_pre[k][u] = (k == 0 ? pre : stage) && t < pos && t < end ? table[t / kv.block_size] : -1;
+    }
   uint4 kr[T][NV], vr[T][NV];
 #pragma unroll
   for (int u = 0; u < T; ++u) {
     const int t = base0 + u * stride + grp;
-    if (pre && t < pos && t < end) {
-      const std::size_t o = kv_offset(table[t / kv.block_size], t);
+    if (blk_pre[0][u] >= 0) {
+      const std::size_t o = kv_offset(blk_pre[0][u], t);
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         kr[u][i] = *reinterpret_cast<const uint4*>(kbase + o + i * 8);
         vr[u][i] = *reinterpret_cast<const uint4*>(vbase + o + i * 8);
       }
     }
+  }
+  if (stage) {
+#pragma unroll
+    for (int u = 0; u < T; ++u) {
+      const int t = base0 + (u + T) * stride + grp;
+      if (blk_pre[1][u] >= 0) {
+        const std::size_t o = kv_offset(blk_pre[1][u], t);
+        const int at = slot0 + u * stride * D;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          cp_async16(stage_k + at + i * 8, kbase + o + i * 8, true);
+          cp_async16(stage_v + at + i * 8, vbase + o + i * 8, true);
+        }
+      }
+    }
+    cp_async_commit();
   }
   // The physical blocks of the positions of the iteration at `ahead`, read one iteration ahead (the
   // block table is fixed during the step), so that an iteration's K/V loads wait on one round trip
@@ -155,7 +197,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   // registers this takes would spill: those instances read each iteration's blocks in it.
   constexpr bool kAhead = T <= 2;
   int blk_ahead[T];
-  int ahead = pre ? base0 + stride * T : base0;
+  int ahead = base0 + (stage ? 2 : pre ? 1 : 0) * stride * T;
   auto fetch_blocks = [&]() {
 #pragma unroll
     for (int u = 0; u < T; ++u) {
@@ -192,12 +234,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   SoftmaxState<G, DPL, LPT> sm;
   sm.init();
 
-  for (int base = base0; base < end; base += stride * T) {
-    // The first iteration's earlier positions are in registers already (decode); otherwise this
-    // iteration's blocks were fetched one iteration ago (kAhead: then fetch the next iteration's).
-    const bool in_regs = pre && base == base0;
+  for (int base = base0, it = 0; base < end; base += stride * T, ++it) {
+    // In decode the first iteration's earlier positions are in registers already and, where staged,
+    // the second's in shared memory; otherwise this iteration's blocks were fetched one iteration
+    // ago (kAhead: then fetch the next iteration's).
+    const bool in_regs = pre && it == 0, staged = stage && it == 1;
     int blk[T] = {};
-    if (!in_regs) {
+    if (staged) cp_async_wait<0>();  // this lane's own copies
+    if (!in_regs && !staged) {
       if constexpr (!kAhead) fetch_blocks();  // this iteration's
 #pragma unroll
       for (int u = 0; u < T; ++u) blk[u] = blk_ahead[u];
@@ -217,6 +261,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
           kr[u][i] = *reinterpret_cast<const uint4*>(k_new + sub * DPL + i * 8);
           vr[u][i] = *reinterpret_cast<const uint4*>(v_new + sub * DPL + i * 8);
         }
+      } else if (valid[u] && staged) {
+        const int at = slot0 + u * stride * D;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          kr[u][i] = *reinterpret_cast<const uint4*>(stage_k + at + i * 8);
+          vr[u][i] = *reinterpret_cast<const uint4*>(stage_v + at + i * 8);
+        }
       } else if (valid[u] && !in_regs) {
         const std::size_t o = kv_offset(blk[u], t);
 #pragma unroll
@@ -231,7 +282,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   }
   // Combine the 4 lane groups of the warp.
   sm.combine_groups();
-  store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, &red_m[0][0], &red_l[0][0], &red_acc[0][0][0], D);
+  __syncthreads();  // every warp is past the staged K/V, which red_acc overwrites
+  store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, &red_m[0][0], &red_l[0][0], red_acc, D);
   __syncthreads();
   // Split-KV: this chunk's state (max, sum, unnormalised output per query head) goes to
   // sp.partial[row][kv head][split] = {m[G], l[G], acc[G][D]}.
@@ -239,7 +291,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   float* part = chunks > 1 ? sp.partial + (std::size_t(r) * kv.kv_heads + kvh) * sp.splits * P : nullptr;
   for (int idx = tid; idx < G * D; idx += blockDim.x) {
     const int h = idx / D, d = idx % D;
-    const auto [mx, L, A] = merge_warp_states(&red_m[0][0], &red_l[0][0], &red_acc[0][0][0], nwarps, G, D, h, d);
+    const auto [mx, L, A] = merge_warp_states(&red_m[0][0], &red_l[0][0], red_acc, nwarps, G, D, h, d);
     if (part == nullptr) {
       out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
     } else {

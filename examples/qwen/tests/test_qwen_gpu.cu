@@ -348,14 +348,18 @@ TEST_CASE("prefill and token-by-token decode agree on the last prompt token") {
 /// Split-KV decode attention at long context (several chunks per (row, kv head)): the decode logits
 /// of a sequence's last token agree with its prefill (which does not split), eager is bit-identical
 /// to graph, alone (bucket 1, GEMV path) and among other rows (bucket 8, GEMM path).
-void split_kv_check(const Config& cfg) {
+void split_kv_check(Config cfg) {
+  cfg.max_position_embeddings = 8192;  // room for a context of a few thousand positions
   EngineOptions o = small_opts();
-  o.max_context = 1024;
-  o.kv_budget_bytes = 128ull << 20;
+  o.max_context = 4608;
+  o.kv_budget_bytes = 256ull << 20;
   Engine e(cfg, o, nullptr);
   const int V = e.config().vocab_size;
   auto& book = e.kv();
-  const std::vector<int> lens = {700, 130, 311, 64, 1000};  // 6, 2, 3, 1 and 8 chunks of 128
+  // 6, 2, 3, 1, 8 and 1 chunks of 128 and 24 of 192 at bucket 1 (32 splits): one chunk in the first
+  // load iteration only (64), one reaching the second, staged in shared memory, with the new position
+  // in it (100), and blocks of three load iterations (4500).
+  const std::vector<int> lens = {700, 130, 311, 64, 1000, 100, 4500};
   std::vector<std::vector<int>> prompts;
   std::vector<int> slots;
   std::vector<float> ref(lens.size() * V);
