@@ -137,9 +137,10 @@ if has qwen; then
       --gen 4 --mode both >"$out/racecheck-qwen-b$b.log" 2>&1
     grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-b$b.log" | sed "s/^/racecheck qwen batch $b: /" | tee -a "$sum"
   done
-  # Attention with 16 lanes per position (head_dim 128, 4 query heads per kv head) at bucket 8.
+  # Attention with 16 lanes per position (head_dim 128, 4 query heads per kv head) at bucket 8, past
+  # 64 positions (the second load iteration staged in shared memory).
   timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny-hd128 --batch 8 \
-    --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
+    --random-prompt 70 --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
   grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-hd128.log" | sed "s/^/racecheck qwen tiny-hd128 batch 8: /" | tee -a "$sum"
   # Attention in 4-warp blocks (more blocks than one wave of 8 warps) at bucket 16, whose decode runs
   # no cuBLAS.
