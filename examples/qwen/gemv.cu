@@ -63,8 +63,10 @@ __device__ __forceinline__ float stage_norm8(const float* x, uint4 gw, bf16* dst
 /// residual times in.norm_w (the layer's RMSNorm fused into the projection), each warp's sum of
 /// squares in red[warp]; the RMS scale (block_rms_scale, once the caller has synchronised) multiplies
 /// the finished dot products: W·(x∘g)·rs = W·(x∘g·rs). Every thread of the block takes part; the
-/// caller synchronises before reading xs or red.
-template <bool NORM, int WARPS, bool PREG = false>
+/// caller synchronises before reading xs or red. ASYNC: the copy by cp.async, every piece in flight
+/// at once (the ring kernel; the pipelined kernel keeps loads: with cp.async it needs fewer registers,
+/// a fourth block fits on an SM, and the larger grid that then runs is slower).
+template <bool NORM, int WARPS, bool PREG = false, bool ASYNC = false>
 __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float (&red)[WARPS],
                                         const uint4 (&gpre)[2] = {}) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -77,6 +79,10 @@ __device__ __forceinline__ void stage_x(const GemvIn& in, int K, bf16* xs, float
     }
     ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;
+  } else if constexpr (ASYNC) {  // one round trip to L2 whatever K is
+    for (int k = tid * 8; k < K; k += (WARPS * 32) * 8) cp_async16(xs + k, in.x_bf16 + k, true);
+    cp_async_commit();
+    cp_async_wait<0>();
   } else {
     for (int k = tid * 8; k < K; k += (WARPS * 32) * 8)
       *reinterpret_cast<uint4*>(xs + k) = *reinterpret_cast<const uint4*>(in.x_bf16 + k);
@@ -326,7 +332,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_ring_kernel(const bf16* __r
   uint4 gpre[2];
   if constexpr (NORM) norm_weights_prefetch<kGemvWarps>(in, K, gpre);
   replay::pdl::wait();
-  stage_x<NORM, kGemvWarps, NORM>(in, K, xs, red, gpre);
+  stage_x<NORM, kGemvWarps, NORM, true>(in, K, xs, red, gpre);
   __syncthreads();
   const float rs = block_rms_scale<NORM>(red, K, in.eps);
 
@@ -407,7 +413,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
 /// to the finished dot products (W·(x∘g)·rs = W·(x∘g·rs), rms_scale). ss holds each row's scale
 /// where one warp stages the row (made by that warp before the block barrier: made by the epilogue's
 /// threads instead, the 8- and 16-row steps were slower), else each warp's sum of squares at
-/// ss[b * S + slice]. Otherwise every thread copies 8-element pieces of any row.
+/// ss[b * S + slice]. Otherwise every thread copies 8-element pieces of any row, all in flight at once.
 template <int B>
 constexpr int kStageWarps = B >= kGemvWarps ? 1 : kGemvWarps / B;
 template <int B, bool NORM>
@@ -428,14 +434,14 @@ __device__ __forceinline__ void stage_x_rows(const GemvIn& in, int K, bf16* xs, 
       sum = warp_sum(sum);
       if (lane == 0) ss[q] = S == 1 ? rsqrtf(sum / K + in.eps) : sum;  // one warp per row: the scale itself
     }
-  } else {
+  } else {  // every piece in flight at once (cp.async): one round trip to L2 whatever B * K is
     const int per_row = K / 8;
-#pragma unroll 4
     for (int i = tid; i < B * per_row; i += kGemvThreads) {
       const int b = i / per_row, k = (i - b * per_row) * 8;
-      *reinterpret_cast<uint4*>(xs + std::size_t(b) * sx + k) =
-          *reinterpret_cast<const uint4*>(in.x_bf16 + std::size_t(b) * K + k);
+      cp_async16(xs + std::size_t(b) * sx + k, in.x_bf16 + std::size_t(b) * K + k, true);
     }
+    cp_async_commit();
+    cp_async_wait<0>();
   }
 }
 /// Row b's RMS scale: ss[b] itself with one staging warp per row, else from the warps' sums of
