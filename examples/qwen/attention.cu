@@ -77,6 +77,58 @@ __global__ void kv_write_kernel(const float* qkv, int q_dim, int kv_dim, const b
 constexpr int kAttnWarps = 8;  // warps per block at most (AttnPlan::warps: 4 or 8)
 constexpr int kStaged = kAttnWarps * 8;  // positions of a block's second load iteration (8 per warp)
 
+/// Split-KV, the last block of a (row, kv head): merges the chunks' states at `part` into the G heads'
+/// outputs at `out` (bf16). The states come into shared memory by cp.async, every copy of a group in
+/// flight at once (one round trip to L2 per group, not one per chunk): the maxima and sums of all
+/// chunks with the first group, the outputs in groups of as many chunks as `acc_s` (`acc_bytes`, free
+/// by now) holds. Each output is sum_c acc_c exp(m_c - max) / sum_c l_c exp(m_c - max), in chunk
+/// order. Kept out of line: inlined, its registers spill in the attention loop.
+template <int D, int G>
+__device__ __noinline__ void merge_chunks(const float* part, int chunks, float* acc_s, std::size_t acc_bytes,
+                                          bf16* out) {
+  constexpr int P = attn_partial_floats(G, D);
+  constexpr int kML = P - G * D;  // floats of a chunk's m and l
+  constexpr int kItems = (G * D + kAttnWarps * 16 - 1) / (kAttnWarps * 16);  // outputs per thread (4-warp blocks)
+  __shared__ __align__(16) float ml_s[kMaxAttnSplits * kML];
+  const int tid = threadIdx.x, group = int(acc_bytes / (G * D * sizeof(float)));
+  float L[kItems], A[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) L[k] = 0.f, A[k] = 0.f;
+  for (int c0 = 0; c0 < chunks; c0 += group) {
+    const int n = min(group, chunks - c0);
+    if (c0 > 0) __syncthreads();  // every thread is done with the previous group
+    if (c0 == 0)
+      for (int i = tid; i < chunks * (kML / 4); i += blockDim.x) {
+        const int c = i / (kML / 4), j = i % (kML / 4);
+        cp_async16(ml_s + c * kML + 4 * j, part + std::size_t(c) * P + G * D + 4 * j, true);
+      }
+    for (int i = tid; i < n * (G * D / 4); i += blockDim.x) {
+      const int c = i / (G * D / 4), j = i % (G * D / 4);
+      cp_async16(acc_s + c * G * D + 4 * j, part + std::size_t(c0 + c) * P + 4 * j, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int idx = tid + k * int(blockDim.x), h = idx / D;
+      if (idx >= G * D) break;
+      float mx = -INFINITY;
+      for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, ml_s[c * kML + h]);
+      for (int c = 0; c < n; ++c) {
+        const float f = __expf(ml_s[(c0 + c) * kML + h] - mx);
+        L[k] += ml_s[(c0 + c) * kML + G + h] * f;
+        A[k] += acc_s[c * G * D + idx] * f;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int idx = tid + k * int(blockDim.x);
+    if (idx < G * D) out[idx] = __float2bfloat16(A[k] / L[k]);
+  }
+}
+
 /// One block per (kv head, row, split): the G query heads sharing that kv head. LPT lanes per token
 /// (DPL dims each), 8 positions per warp in flight; online softmax per lane group, then a combine
 /// across groups (shuffles) and warps (shared memory). In decode the first iteration's K/V is on its
@@ -86,7 +138,8 @@ constexpr int kStaged = kAttnWarps * 8;  // positions of a block's second load i
 /// Split-KV (AttnPlan, decode): a long context is cut into chunks of at least sp.min_chunk
 /// positions, one block each (grid z; blocks past the last chunk exit at once). With one chunk the
 /// block writes the output itself; otherwise each block stores its partial softmax state and the
-/// last block to finish (a counter per (row, kv head)) combines the chunks and writes the output.
+/// last block to finish (a counter per (row, kv head)) combines the chunks and writes the output
+/// (merge_chunks).
 template <int D, int G, int MINB>
 __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     attention_kernel(const float* qkv, int q_dim, int kv_dim, const bf16* q_norm, const bf16* k_norm, float eps,
@@ -285,9 +338,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   __syncthreads();  // every warp is past the staged K/V, which red_acc overwrites
   store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, &red_m[0][0], &red_l[0][0], red_acc, D);
   __syncthreads();
-  // Split-KV: this chunk's state (max, sum, unnormalised output per query head) goes to
-  // sp.partial[row][kv head][split] = {m[G], l[G], acc[G][D]}.
-  constexpr int P = G * (D + 2);
+  // Split-KV: this chunk's state (unnormalised output, max and sum per query head) goes to
+  // sp.partial[row][kv head][split] = {acc[G][D], m[G], l[G]} (attn_partial_floats).
+  constexpr int P = attn_partial_floats(G, D);
   float* part = chunks > 1 ? sp.partial + (std::size_t(r) * kv.kv_heads + kvh) * sp.splits * P : nullptr;
   for (int idx = tid; idx < G * D; idx += blockDim.x) {
     const int h = idx / D, d = idx % D;
@@ -296,8 +349,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
       out[std::size_t(r) * q_dim + (kvh * G + h) * D + d] = __float2bfloat16(A / L);
     } else {
       float* mine = part + std::size_t(split) * P;
-      mine[2 * G + idx] = A;
-      if (d == 0) mine[h] = mx, mine[G + h] = L;
+      mine[idx] = A;
+      if (d == 0) mine[G * D + h] = mx, mine[G * D + G + h] = L;
     }
   }
   if (part == nullptr) return;
@@ -313,19 +366,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int idx = tid; idx < G * D; idx += blockDim.x) {
-    const int h = idx / D;
-    float mx = -INFINITY;
-    for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, __ldcg(part + std::size_t(c) * P + h));
-    float L = 0.f, A = 0.f;
-    for (int c = 0; c < chunks; ++c) {
-      const float* other = part + std::size_t(c) * P;
-      const float f = __expf(__ldcg(other + h) - mx);
-      L += __ldcg(other + G + h) * f;
-      A += __ldcg(other + 2 * G + idx) * f;
-    }
-    out[std::size_t(r) * q_dim + (kvh * G + h) * D + idx % D] = __float2bfloat16(A / L);
-  }
+  merge_chunks<D, G>(part, chunks, reinterpret_cast<float*>(scratch), sizeof(scratch),
+                     out + std::size_t(r) * q_dim + kvh * G * D);
 }
 
 /// Calls f(attention_kernel<head_dim, G, MINB>): the one place that maps the runtime shape to an

@@ -131,10 +131,13 @@ struct AttnPlan {
   int splits = 1;               ///< blocks per (row, kv head): grid z
   int warps = 8;                ///< warps per block: 8, or 4 where 8-warp blocks would need a second wave
   int min_chunk = 128;          ///< fewest positions per block
-  float* partial = nullptr;     ///< [rows][kv_heads][splits][G * (head_dim + 2)] fp32
+  float* partial = nullptr;     ///< [rows][kv_heads][splits][attn_partial_floats(G, head_dim)] fp32
   unsigned* arrived = nullptr;  ///< [rows][kv_heads], zero before the first launch (kept zero after each)
 };
 inline constexpr int kMaxAttnSplits = 32;
+/// Floats of one chunk's split-KV state: the unnormalised outputs acc[G][head_dim], then the maxima
+/// m[G] and sums l[G], padded to whole 16-byte pieces (the merge copies them by cp.async).
+constexpr int attn_partial_floats(int G, int head_dim) { return G * head_dim + (2 * G + 3) / 4 * 4; }
 /// Query heads per kv head the attention kernel is compiled for: 1..kMaxGroup.
 inline constexpr int kMaxGroup = 8;
 

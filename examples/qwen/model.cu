@@ -329,7 +329,7 @@ struct Engine::Impl {
     std::size_t split_rows = 0;  // split-KV scratch for the largest rows x splits of any bucket
     for (int b = 1; b <= opt.max_batch; b *= 2)
       split_rows = std::max(split_rows, std::size_t(b) * attn_plan(b).splits);
-    const std::size_t partial = split_rows * sh.kv_heads * cfg.group_size() * (cfg.head_dim + 2);
+    const std::size_t partial = split_rows * sh.kv_heads * attn_partial_floats(cfg.group_size(), cfg.head_dim);
     const std::size_t arrived = R * sh.kv_heads;
     const std::size_t rope_n = std::size_t(opt.max_context) * cfg.head_dim / 2;
     // Tensor parallel: the lm_head's output is this rank's vocabulary shard; sampling gathers the
