@@ -142,6 +142,14 @@ if has qwen; then
   timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard "$qw" --preset tiny-hd128 --batch 8 \
     --random-prompt 70 --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
   grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-hd128.log" | sed "s/^/racecheck qwen tiny-hd128 batch 8: /" | tee -a "$sum"
+  # The split-KV merge over two groups of chunks (18 chunks of 64 positions, 16 per group at 4 query
+  # heads per kv head). The prefill runs cuBLAS: hazards counted per kernel.
+  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
+    "$qw" --preset tiny-hd128 --random-prompt 1100 --max-context 2048 --attn-min-chunk 64 --gen 4 --mode both \
+    >"$out/racecheck-qwen-merge.log" 2>&1
+  grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-merge.log" | sed "s/^/racecheck qwen split-KV merge: /" | tee -a "$sum"
+  echo "racecheck qwen split-KV merge: hazards in the example's kernels:" \
+    "$(grep -E '^=+ +(Read|Write) Thread' "$out/racecheck-qwen-merge.log" | grep -cv nvjet)" | tee -a "$sum"
   # Attention in 4-warp blocks (more blocks than one wave of 8 warps) at bucket 16, whose decode runs
   # no cuBLAS.
   race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
