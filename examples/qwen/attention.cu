@@ -82,7 +82,8 @@ constexpr int kStaged = kAttnWarps * 8;  // positions of a block's second load i
 /// flight at once (one round trip to L2 per group, not one per chunk): the maxima and sums of all
 /// chunks with the first group, the outputs in groups of as many chunks as `acc_s` (`acc_bytes`, free
 /// by now) holds. Each output is sum_c acc_c exp(m_c - max) / sum_c l_c exp(m_c - max), in chunk
-/// order. Kept out of line: inlined, its registers spill in the attention loop.
+/// order; max, over all chunks, is made once, with the first group. Kept out of line: inlined, its
+/// registers spill in the attention loop.
 template <int D, int G>
 __device__ __noinline__ void merge_chunks(const float* part, int chunks, float* acc_s, std::size_t acc_bytes,
                                           bf16* out) {
@@ -91,9 +92,9 @@ __device__ __noinline__ void merge_chunks(const float* part, int chunks, float* 
   constexpr int kItems = (G * D + kAttnWarps * 16 - 1) / (kAttnWarps * 16);  // outputs per thread (4-warp blocks)
   __shared__ __align__(16) float ml_s[kMaxAttnSplits * kML];
   const int tid = threadIdx.x, group = int(acc_bytes / (G * D * sizeof(float)));
-  float L[kItems], A[kItems];
+  float L[kItems], A[kItems], M[kItems];
 #pragma unroll
-  for (int k = 0; k < kItems; ++k) L[k] = 0.f, A[k] = 0.f;
+  for (int k = 0; k < kItems; ++k) L[k] = 0.f, A[k] = 0.f, M[k] = -INFINITY;
   for (int c0 = 0; c0 < chunks; c0 += group) {
     const int n = min(group, chunks - c0);
     if (c0 > 0) __syncthreads();  // every thread is done with the previous group
@@ -113,10 +114,10 @@ __device__ __noinline__ void merge_chunks(const float* part, int chunks, float* 
     for (int k = 0; k < kItems; ++k) {
       const int idx = tid + k * int(blockDim.x), h = idx / D;
       if (idx >= G * D) break;
-      float mx = -INFINITY;
-      for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, ml_s[c * kML + h]);
+      if (c0 == 0)
+        for (int c = 0; c < chunks; ++c) M[k] = fmaxf(M[k], ml_s[c * kML + h]);
       for (int c = 0; c < n; ++c) {
-        const float f = __expf(ml_s[(c0 + c) * kML + h] - mx);
+        const float f = __expf(ml_s[(c0 + c) * kML + h] - M[k]);
         L[k] += ml_s[(c0 + c) * kML + G + h] * f;
         A[k] += acc_s[c * G * D + idx] * f;
       }
@@ -162,7 +163,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   float* const red_acc = reinterpret_cast<float*>(scratch);
   __shared__ __align__(16) bf16 k_new[D], v_new[D];  // decode: position pos's K/V as written to the cache
 
-  replay::pdl::launch_dependents();
   const int kvh = blockIdx.x, r = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int sub = lane % LPT, grp = lane / LPT;
@@ -191,6 +191,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
     chunk = max(sp.min_chunk, (even + 63) / 64 * 64);
     chunks = (seq_len + chunk - 1) / chunk;
   }
+  // The next kernel's blocks come onto the SMs once every block has let them: a context of one
+  // chunk lets them after the wait, so that their weight prefetches do not compete with the QKV
+  // projection this block waits on; a longer one at once, its loop hides their prefetches.
+  if (chunks > 1) replay::pdl::launch_dependents();
   if (split >= chunks) {  // a short context needs fewer blocks than the grid has
     return;
   }
@@ -260,6 +264,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   };
   if constexpr (kAhead) fetch_blocks();
   replay::pdl::wait();
+  if (chunks == 1) replay::pdl::launch_dependents();
 
   const float* row = qkv + std::size_t(r) * (q_dim + 2 * kv_dim);
   const float scale = rsqrtf(static_cast<float>(D));
@@ -335,7 +340,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MINB)
   }
   // Combine the 4 lane groups of the warp.
   sm.combine_groups();
-  __syncthreads();  // every warp is past the staged K/V, which red_acc overwrites
+  if (stage) __syncthreads();  // every warp is past the staged K/V, which red_acc overwrites
   store_warp_state<G, DPL>(sm.m, sm.l, sm.acc, warp, grp, sub, &red_m[0][0], &red_l[0][0], red_acc, D);
   __syncthreads();
   // Split-KV: this chunk's state (unnormalised output, max and sum per query head) goes to
