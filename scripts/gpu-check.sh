@@ -74,17 +74,20 @@ say "build: $((SECONDS - t0)) s"
 ng="$build/examples/nanogpt/nanogpt"
 qw="$build/examples/qwen/qwen"
 
-# racecheck of the qwen_gpu cases matching $2 (log racecheck-qwen-$1.log), named $3. The prompts'
-# prefill runs cuBLAS, and racecheck reports hazards inside some cuBLAS kernels, so the hazards are
-# counted per kernel.
-race_qwen_gpu() {
-  local log="$out/racecheck-qwen-$1.log" hz='^=+ +(Read|Write) Thread'
+# racecheck of a Qwen program (the command after $1 and $2; log racecheck-qwen-$1.log), named $2.
+# The prompts' prefill runs cuBLAS, and racecheck reports hazards inside some cuBLAS kernels, so the
+# hazards are counted per kernel.
+race_qwen() {
+  local log="$out/racecheck-qwen-$1.log" name="$2" hz='^=+ +(Read|Write) Thread'
+  shift 2
   timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
-    "$build/examples/qwen/qwen_gpu" -tc="$2" >"$log" 2>&1
-  grep -E "RACECHECK SUMMARY|test cases" "$log" | sed "s/^/racecheck qwen $3: /" | tee -a "$sum"
-  echo "racecheck qwen $3: hazards in the example's kernels: $(grep -E "$hz" "$log" | grep -cv nvjet), in cuBLAS" \
+    "$@" >"$log" 2>&1
+  grep -E "RACECHECK SUMMARY|test cases|identical" "$log" | sed "s/^/racecheck qwen $name: /" | tee -a "$sum"
+  echo "racecheck qwen $name: hazards in the example's kernels: $(grep -E "$hz" "$log" | grep -cv nvjet), in cuBLAS" \
     "(nvjet) kernels: $(grep -E "$hz" "$log" | grep -c nvjet) (accesses)" | tee -a "$sum"
 }
+# racecheck of the qwen_gpu cases matching $2 (log racecheck-qwen-$1.log), named $3.
+race_qwen_gpu() { race_qwen "$1" "$3" "$build/examples/qwen/qwen_gpu" -tc="$2"; }
 
 if has core; then
   (cd "$build" && ctest --output-on-failure -j4) >"$out/ctest.log" 2>&1
@@ -143,13 +146,9 @@ if has qwen; then
     --random-prompt 70 --gen 4 --mode both >"$out/racecheck-qwen-hd128.log" 2>&1
   grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-hd128.log" | sed "s/^/racecheck qwen tiny-hd128 batch 8: /" | tee -a "$sum"
   # The split-KV merge over two groups of chunks (18 chunks of 64 positions, 16 per group at 4 query
-  # heads per kv head). The prefill runs cuBLAS: hazards counted per kernel.
-  timeout "$mc_timeout" compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 --show-backtrace no \
-    "$qw" --preset tiny-hd128 --random-prompt 1100 --max-context 2048 --attn-min-chunk 64 --gen 4 --mode both \
-    >"$out/racecheck-qwen-merge.log" 2>&1
-  grep -E "RACECHECK SUMMARY|identical" "$out/racecheck-qwen-merge.log" | sed "s/^/racecheck qwen split-KV merge: /" | tee -a "$sum"
-  echo "racecheck qwen split-KV merge: hazards in the example's kernels:" \
-    "$(grep -E '^=+ +(Read|Write) Thread' "$out/racecheck-qwen-merge.log" | grep -cv nvjet)" | tee -a "$sum"
+  # heads per kv head).
+  race_qwen merge "split-KV merge" "$qw" --preset tiny-hd128 --random-prompt 1100 --max-context 2048 \
+    --attn-min-chunk 64 --gen 4 --mode both
   # Attention in 4-warp blocks (more blocks than one wave of 8 warps) at bucket 16, whose decode runs
   # no cuBLAS.
   race_qwen_gpu 4warp '*bucket 16*' "4-warp attention"
